@@ -1,0 +1,124 @@
+"""Config of the `inference` entry point: the fields users set most, mapped onto vLLM's arguments.
+
+Anything vLLM accepts that is not here can be passed on the command line as is (`--max-num-seqs 8`).
+"""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from prime_rl.config import BaseConfig, EntrypointConfig
+
+
+class ModelConfig(BaseConfig):
+    name: str = "Qwen/Qwen3-0.6B"
+    """Hugging Face model id or local model directory to serve (also the base weights `/reload_weights` restores)."""
+
+    served_name: str | None = None
+    """Model name clients put in requests; defaults to `name`."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weight and activation dtype (vLLM `--dtype`)."""
+
+    max_model_len: int | None = None
+    """Context length (prompt + completion); default: the model's own."""
+
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: faster start, slower generation."""
+
+    trust_remote_code: bool = False
+    """Allow custom model code from the model directory or hub."""
+
+
+class ServerConfig(BaseConfig):
+    host: str = "127.0.0.1"
+    """Address to bind; use 0.0.0.0 to serve other machines."""
+
+    port: int = Field(8000, ge=1, le=65535)
+    """TCP port."""
+
+    api_key: SecretStr | None = None
+    """If set, every /v1, /inference and admin route needs `Authorization: Bearer <key>`."""
+
+
+class ParallelConfig(BaseConfig):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size (GPUs per model replica)."""
+
+    dp: int = Field(1, ge=1)
+    """Data-parallel size (model replicas behind this server)."""
+
+
+class LoRAConfig(BaseConfig):
+    max_loras: int = Field(8, ge=1)
+    """Adapters held on the device at once."""
+
+    max_lora_rank: int = Field(16, ge=1)
+    """Largest adapter rank that can be loaded."""
+
+
+class InferenceConfig(EntrypointConfig):
+    model: ModelConfig = ModelConfig()
+    """The model to serve."""
+
+    server: ServerConfig = ServerConfig()
+    """HTTP server settings."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """Parallelism across GPUs."""
+
+    lora: LoRAConfig | None = None
+    """Runtime LoRA adapters (`--lora` enables with defaults)."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
+
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """CPU only: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+    allowed_weight_roots: list[Path] | None = None
+    """Directories `/update_weights` may load from; default: `output_dir`."""
+
+    @model_validator(mode="after")
+    def _default_roots(self) -> "InferenceConfig":
+        if self.allowed_weight_roots is None:
+            self.allowed_weight_roots = [self.output_dir]
+        return self
+
+    def vllm_args(self) -> list[str]:
+        """Our fields as vLLM CLI arguments (extra user flags are appended after these and win)."""
+        m = self.model
+        args = [
+            "--model", m.name,
+            "--served-model-name", m.served_name or m.name,
+            "--dtype", m.dtype,
+            "--host", self.server.host,
+            "--port", str(self.server.port),
+            "--tensor-parallel-size", str(self.parallel.tp),
+            "--data-parallel-size", str(self.parallel.dp),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--seed", str(self.seed),
+            # The trainer's importance ratio needs the logprobs of the distribution actually sampled
+            # from (after temperature), not of the raw logits.
+            "--logprobs-mode", "processed_logprobs",
+            # Token-in/token-out generation (`/inference/v1/generate`), used by the verifiers train client.
+            "--enable-scale-out",
+            # Our weight-swap methods, mixed into every worker.
+            "--worker-extension-cls", "prime_rl.inference.worker.WeightSwapExtension",
+        ]  # fmt: skip
+        if m.max_model_len is not None:
+            args += ["--max-model-len", str(m.max_model_len)]
+        if m.enforce_eager:
+            args.append("--enforce-eager")
+        if m.trust_remote_code:
+            args.append("--trust-remote-code")
+        if self.server.api_key is not None:
+            args += ["--api-key", self.server.api_key.get_secret_value()]
+        if self.lora is not None:
+            args += ["--enable-lora", "--max-loras", str(self.lora.max_loras)]
+            args += ["--max-lora-rank", str(self.lora.max_lora_rank)]
+        return args

@@ -1,0 +1,79 @@
+"""`inference` entry point: the real vLLM OpenAI server plus our admin routes.
+
+    uv run inference @ cfg.toml [--model.name DIR] [--server.port P] [any vLLM flag ...]
+
+Flags that are not prime-rl config keys are handed to vLLM's own argument parser unchanged, and
+checked by it before the engine loads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prime_rl.config.loader import ConfigError, load_config, write_resolved_config
+from prime_rl.inference.config import InferenceConfig
+
+PLUGIN_NAME = "prime_rl"
+
+
+def build_vllm_args(config: InferenceConfig, extra: list[str]):
+    """Parse our fields + the pass-through flags with vLLM's parser; raises ConfigError on unknown flags."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="inference"))
+    args, unknown = parser.parse_known_args(config.vllm_args() + extra)
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {' '.join(unknown)}: neither a prime-rl key (see `inference --help`) "
+            "nor a vLLM argument (see `vllm serve --help`)"
+        )
+    try:
+        validate_parsed_serve_args(args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"invalid vLLM arguments: {e}") from None
+    # Read by our endpoint plugin (prime_rl.inference.plugin) when the app state is built.
+    args.prime_weight_roots = [str(p) for p in config.allowed_weight_roots or []]
+    return args
+
+
+def _check_passthrough(config: InferenceConfig, extra: list[str]) -> None:
+    build_vllm_args(config, extra)
+
+
+def _enable_plugin() -> None:
+    plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    if PLUGIN_NAME not in plugins:
+        os.environ["VLLM_PLUGINS"] = ",".join(plugins + [PLUGIN_NAME])
+
+
+def main(argv: list[str] | None = None) -> None:
+    start = time.perf_counter()
+    config, extra = load_config(InferenceConfig, "inference", argv, check_passthrough=_check_passthrough)
+    # Environment for vLLM, set before it reads its settings (and inherited by its engine processes).
+    _enable_plugin()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    if config.lora is not None:
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+
+    import uvloop
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    from prime_rl.utils.logging import setup_logging
+
+    setup_logging("inference", config.log.level, config.output_dir / "logs", tee_fds=True)
+    from loguru import logger
+
+    path = write_resolved_config(config, "inference")
+    logger.info(f"resolved config written to {path}; vLLM args: {' '.join(config.vllm_args() + extra)}")
+    cli_env_setup()
+    args = build_vllm_args(config, extra)
+    logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
+    del uvloop  # ServeSubcommand runs its own event loop
+    ServeSubcommand.cmd(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The layered config system: precedence, merging, includes, sections, errors, dry-run."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.inference.config import InferenceConfig
+
+INFERENCE = str(Path(sys.executable).parent / "inference")
+
+
+class CkptConfig(BaseConfig):
+    interval: int = 10
+    """Steps between checkpoints."""
+    keep_last: int | None = None
+    """Checkpoints kept."""
+
+
+class OptimConfig(BaseConfig):
+    lr: float = 1e-6
+    """Learning rate."""
+    betas: list[float] = [0.9, 0.999]
+    """Adam betas."""
+
+
+class TrainerConfig(BaseConfig):
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    micro_batch_size: int = 1
+    """Samples per micro batch."""
+
+
+class ToyConfig(EntrypointConfig):
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer section."""
+    ckpt: CkptConfig | None = None
+    """Optional checkpointing."""
+    gpu_ids: list[int] = [0]
+    """Devices."""
+    enable_thing: bool = False
+    """A switch."""
+    env_args: dict[str, int] = {}
+    """Free-form arguments."""
+    max_steps: int | None = None
+    """Steps to run."""
+
+
+def dry_run(cls, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_config(cls, "test", argv + ["--dry-run"])
+    out = capsys.readouterr()
+    assert exc.value.code == 0, out.err
+    return tomllib.loads(out.out)
+
+
+def fails(cls, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        load_config(cls, "test", argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "pydantic" not in err.lower()
+    return err
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_precedence_each_source_wins_over_the_next(tmp_path, monkeypatch, capsys):
+    """One value from default, env, two TOML files and CLI; removing each source in turn shows the next."""
+    a = write(tmp_path / "a.toml", "[model]\nname = 'from-a'\n")
+    b = write(tmp_path / "b.toml", "[model]\nname = 'from-b'\n")
+    monkeypatch.setenv("PRIME_MODEL__NAME", "from-env")
+    argv = ["@", str(a), "@", str(b), "--model.name", "from-cli"]
+    assert dry_run(InferenceConfig, argv, capsys)["model"]["name"] == "from-cli"
+    assert dry_run(InferenceConfig, argv[:4], capsys)["model"]["name"] == "from-b"
+    assert dry_run(InferenceConfig, argv[:2], capsys)["model"]["name"] == "from-a"
+    assert dry_run(InferenceConfig, [], capsys)["model"]["name"] == "from-env"
+    monkeypatch.delenv("PRIME_MODEL__NAME")
+    assert dry_run(InferenceConfig, [], capsys)["model"]["name"] == "Qwen/Qwen3-0.6B"
+
+
+def test_deep_merge_keeps_keys_of_both_files(tmp_path, capsys):
+    a = write(tmp_path / "a.toml", "[model]\nname = 'm'\nmax_model_len = 512\n[server]\nport = 9000\n")
+    b = write(tmp_path / "b.toml", "[model]\nmax_model_len = 1024\nenforce_eager = true\n")
+    cfg = dry_run(InferenceConfig, ["@", str(a), "@", str(b)], capsys)
+    assert cfg["model"] == {**cfg["model"], "name": "m", "max_model_len": 1024, "enforce_eager": True}
+    assert cfg["server"]["port"] == 9000
+
+
+def test_env_layer_is_deep_merged_under_toml(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PRIME_SERVER__PORT", "8123")
+    a = write(tmp_path / "a.toml", "[server]\nhost = '0.0.0.0'\n")
+    cfg = dry_run(InferenceConfig, ["@", str(a)], capsys)
+    assert cfg["server"] == {"host": "0.0.0.0", "port": 8123}
+
+
+def test_cli_spellings(capsys):
+    for flag in ("--model.name", "--model-name", "--model_name", "--model.name="):
+        argv = [flag + "x"] if flag.endswith("=") else [flag, "x"]
+        assert dry_run(InferenceConfig, argv, capsys)["model"]["name"] == "x", flag
+    cfg = dry_run(ToyConfig, ["--trainer.micro-batch-size", "4", "--max_steps", "3"], capsys)
+    assert cfg["trainer"]["micro_batch_size"] == 4 and cfg["max_steps"] == 3
+    cfg = dry_run(ToyConfig, ["--trainer-optim-lr", "0.5"], capsys)
+    assert cfg["trainer"]["optim"]["lr"] == 0.5
+
+
+def test_booleans_lists_and_dicts(capsys):
+    cfg = dry_run(ToyConfig, ["--enable-thing", "--gpu-ids", "0,1", "--env-args", '{"a": 1}'], capsys)
+    assert cfg["enable_thing"] is True and cfg["gpu_ids"] == [0, 1] and cfg["env_args"] == {"a": 1}
+    cfg = dry_run(ToyConfig, ["--enable-thing", "--no-enable-thing", "--gpu-ids", "[2, 3]"], capsys)
+    assert cfg["enable_thing"] is False and cfg["gpu_ids"] == [2, 3]
+    cfg = dry_run(ToyConfig, ["--trainer.optim.betas", "0.8,0.9"], capsys)
+    assert cfg["trainer"]["optim"]["betas"] == [0.8, 0.9]
+    cfg = dry_run(ToyConfig, ["--env-args.k", "5"], capsys)
+    assert cfg["env_args"] == {"k": 5}
+
+
+def test_optional_section_enabled_by_bare_flag_or_empty_table(tmp_path, capsys):
+    assert "ckpt" not in dry_run(ToyConfig, [], capsys)
+    assert dry_run(ToyConfig, ["--ckpt"], capsys)["ckpt"] == {"interval": 10}
+    empty = write(tmp_path / "e.toml", "[ckpt]\n")
+    assert dry_run(ToyConfig, ["@", str(empty)], capsys)["ckpt"] == {"interval": 10}
+    # A bare flag keeps values set by a file; a sub-key enables the section too; --no-ckpt disables it.
+    set5 = write(tmp_path / "s.toml", "[ckpt]\ninterval = 5\n")
+    assert dry_run(ToyConfig, ["@", str(set5), "--ckpt"], capsys)["ckpt"] == {"interval": 5}
+    assert dry_run(ToyConfig, ["--ckpt.keep-last", "2"], capsys)["ckpt"] == {"interval": 10, "keep_last": 2}
+    assert "ckpt" not in dry_run(ToyConfig, ["@", str(set5), "--no-ckpt"], capsys)
+
+
+def test_section_scoped_file(tmp_path, capsys):
+    t = write(tmp_path / "t.toml", "micro_batch_size = 8\n[optim]\nlr = 0.25\n")
+    cfg = dry_run(ToyConfig, ["--trainer", "@", str(t), "--trainer.optim.lr", "0.5"], capsys)
+    assert cfg["trainer"]["micro_batch_size"] == 8 and cfg["trainer"]["optim"]["lr"] == 0.5
+
+
+def test_includes_are_relative_and_overridden_by_the_includer(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "base.toml", "max_steps = 1\n[trainer]\nmicro_batch_size = 2\n")
+    top = write(tmp_path / "top.toml", "toml_files = ['sub/base.toml']\nmax_steps = 7\n")
+    cfg = dry_run(ToyConfig, ["@", str(top)], capsys)
+    assert cfg["max_steps"] == 7 and cfg["trainer"]["micro_batch_size"] == 2
+    assert "toml_files" not in cfg
+
+
+def test_include_cycle_is_an_error(tmp_path, capsys):
+    write(tmp_path / "a.toml", "toml_files = ['b.toml']\n")
+    write(tmp_path / "b.toml", "toml_files = ['a.toml']\n")
+    err = fails(ToyConfig, ["@", str(tmp_path / "a.toml")], capsys)
+    assert "cycle" in err and "a.toml" in err and "b.toml" in err
+
+
+def test_typo_on_cli_names_key_and_suggests(capsys):
+    err = fails(InferenceConfig, ["--model.nmae", "x"], capsys)
+    assert "--model.nmae" in err and "model.name" in err
+
+
+def test_typo_in_toml_names_key_file_and_suggestion(tmp_path, capsys):
+    f = write(tmp_path / "c.toml", "[trainer.optim]\nrl = 0.1\n")
+    err = fails(ToyConfig, ["@", str(f)], capsys)
+    assert "`trainer.optim.rl`" in err and str(f) in err and "trainer.optim.lr" in err
+
+
+def test_bad_value_names_key_and_source(tmp_path, monkeypatch, capsys):
+    err = fails(InferenceConfig, ["--server.port", "eighty"], capsys)
+    assert "`server.port`" in err and "--server.port" in err and "eighty" in err
+    monkeypatch.setenv("PRIME_SERVER__PORT", "99999")
+    err = fails(InferenceConfig, [], capsys)
+    assert "`server.port`" in err and "PRIME_SERVER__PORT" in err
+
+
+def test_missing_file_names_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    err = fails(ToyConfig, ["@", str(missing)], capsys)
+    assert str(missing) in err and "not found" in err
+
+
+def test_unknown_flag_is_an_error_without_passthrough(capsys):
+    err = fails(ToyConfig, ["--max-num-seqs", "8"], capsys)
+    assert "--max-num-seqs" in err
+
+
+def test_resolved_config_is_written_and_round_trips(tmp_path, capsys):
+    cfg, _ = load_config(InferenceConfig, "inference", ["--output-dir", str(tmp_path), "--model.name", "m"])
+    path = write_resolved_config(cfg, "inference")
+    assert path == tmp_path / "configs" / "inference.toml"
+    again, _ = load_config(InferenceConfig, "inference", ["@", str(path)])
+    assert again == cfg
+
+
+def test_api_key_is_masked_in_dumps(capsys):
+    cfg = dry_run(InferenceConfig, ["--server.api-key", "s3cret"], capsys)
+    assert "s3cret" not in str(cfg)
+
+
+def test_inference_entry_point_exits_2_before_loading_vllm():
+    """The real console script: a typo fails fast (no engine, no vLLM import) with one readable line."""
+    proc = subprocess.run([INFERENCE, "--model.nmae", "x"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "inference: error: unknown option --model.nmae (did you mean `model.name`?)"
+    ]
+
+
+def test_inference_flags_vllm_knows_pass_and_others_fail():
+    """`--max-num-seqs` reaches vLLM's parser and is accepted; a flag neither knows fails before the engine."""
+    ok = subprocess.run([INFERENCE, "--max-num-seqs", "8", "--dry-run"], capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stderr
+    assert "# passed through: --max-num-seqs 8" in ok.stdout
+    bad = subprocess.run([INFERENCE, "--max-num-sqes", "8"], capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 2
+    assert "unknown option(s) --max-num-sqes" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_env_prefix_only_reads_prime_vars(monkeypatch, capsys):
+    monkeypatch.setenv("MODEL__NAME", "ignored")
+    assert dry_run(InferenceConfig, [], capsys)["model"]["name"] == "Qwen/Qwen3-0.6B"
+    assert os.environ["MODEL__NAME"] == "ignored"
