@@ -74,7 +74,7 @@ class InferenceConfig(EntrypointConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
 
-    kv_cache_gib: float = Field(2.0, gt=0)
+    kv_cache_gib: int = Field(2, ge=1)
     """CPU only: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
 
     seed: int = 0

@@ -1,0 +1,250 @@
+"""The real vLLM server on tiny local models (tied and untied embeddings): generation, weight swaps,
+logprob correctness against transformers, concurrency, bad input, and the verifiers train client."""
+
+import asyncio
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.inference.process import InferenceServer
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+# vLLM serves the bf16 weights and computes in bf16; transformers recomputes in fp32 from the same
+# bf16 weights. bf16 keeps 8 significant bits (relative rounding error 2^-9 ~ 0.2%), so activations
+# and logits of magnitude <= ~10 carry absolute errors of a few 1e-2 after two layers; measured
+# maxima are ~0.01-0.02 (see the closing note). 0.05 leaves room without hiding a wrong-weights bug,
+# which moves logprobs by > 0.5 here (base vs perturbed weights).
+LOGPROB_ATOL = 0.05
+PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session", params=["tied", "untied"])
+def server(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"inference-{request.param}")
+    base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=request.param == "tied"))
+    perturb_weights(base, root / "step_1", scale=2.0)
+    srv = InferenceServer(
+        base,
+        root / "out",
+        extra=["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root), "--max-num-seqs", "48"],
+        api_key=API_KEY,
+    )
+    try:
+        srv.wait_healthy()
+        srv.root = root
+        srv.base = base
+        srv.step_1 = root / "step_1"
+        srv.tokenizer = AutoTokenizer.from_pretrained(base)
+        srv.prompt_ids = srv.tokenizer.encode(PROMPT)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def generate(srv, max_tokens=8, temperature=0.0, seed=None, ids=None, **extra) -> dict:
+    params = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": 1, **extra}
+    if seed is not None:
+        params["seed"] = seed
+    body = {"model": str(srv.base), "token_ids": ids or srv.prompt_ids, "sampling_params": params}
+    r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {
+        "ids": choice["token_ids"],
+        "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+        "tokens": [e["token"] for e in choice["logprobs"]["content"]],
+        "versions": choice["weight_versions"],
+    }
+
+
+def admin(srv, route: str, body=None, headers=None, content=None) -> httpx.Response:
+    headers = srv.headers if headers is None else headers
+    kwargs = {"content": content} if content is not None else {"json": body if body is not None else {}}
+    return httpx.post(f"{srv.url}/{route}", headers=headers, timeout=120, **kwargs)
+
+
+def hf_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0):
+    """log_softmax(logits / T) of each completion token under a fp32 transformers forward pass."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def test_swap_changes_output_matches_transformers_and_reload_restores(server):
+    before_greedy = generate(server, max_tokens=12)
+    before_sampled = generate(server, max_tokens=12, temperature=1.0, seed=7)
+    assert before_greedy["versions"] == [{"version": "base", "start": 0, "end": 12}]
+    assert before_greedy["tokens"] == [f"token_id:{i}" for i in before_greedy["ids"]]
+    ref = hf_logprobs(server.base, server.prompt_ids, before_sampled["ids"])
+    assert torch.allclose(torch.tensor(before_sampled["logprobs"]), ref, atol=LOGPROB_ATOL)
+
+    r = admin(server, "update_weights", {"weight_dir": str(server.step_1), "version": "step-1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and r.json()["version"] == "step-1" and r.json()["seconds"] > 0
+    try:
+        after = generate(server, max_tokens=12)
+        assert after["ids"] != before_greedy["ids"]
+        assert after["versions"] == [{"version": "step-1", "start": 0, "end": 12}]
+        sampled = generate(server, max_tokens=12, temperature=1.0, seed=7)
+        new_ref = hf_logprobs(server.step_1, server.prompt_ids, sampled["ids"])
+        old_ref = hf_logprobs(server.base, server.prompt_ids, sampled["ids"])
+        assert torch.allclose(torch.tensor(sampled["logprobs"]), new_ref, atol=LOGPROB_ATOL)
+        # The check can tell old from new weights: the base model's logprobs are far off.
+        assert (torch.tensor(sampled["logprobs"]) - old_ref).abs().max() > 10 * LOGPROB_ATOL
+    finally:
+        r = admin(server, "reload_weights")
+    assert r.status_code == 200 and r.json()["version"] == "base"
+    assert generate(server, max_tokens=12) == before_greedy  # bit-exact tokens, logprobs and version
+    assert generate(server, max_tokens=12, temperature=1.0, seed=7) == before_sampled
+
+
+def test_swap_during_32_in_flight_requests_loses_none(server):
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        body = {
+            "model": str(server.base),
+            "token_ids": server.prompt_ids,
+            "sampling_params": {"temperature": 1.0, "max_tokens": 160, "ignore_eos": True, "logprobs": 1},
+        }
+        async with httpx.AsyncClient(timeout=300, headers=server.headers) as client:
+            requests = [
+                asyncio.create_task(client.post(f"{server.url}/inference/v1/generate", json=body)) for _ in range(32)
+            ]
+            await asyncio.sleep(1.0)
+            swap = await client.post(f"{server.url}/update_weights", json={"weight_dir": str(server.step_1)})
+            return await asyncio.gather(*requests), swap
+
+    responses, swap = asyncio.run(run())
+    try:
+        assert swap.status_code == 200, swap.text
+        assert [r.status_code for r in responses] == [200] * 32
+        choices = [r.json()["choices"][0] for r in responses]
+        assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == 160 for c in choices)
+        assert all(len(c["logprobs"]["content"]) == 160 for c in choices)
+        # Per-token versions cover every token, and some requests straddle the swap.
+        for c in choices:
+            spans = c["weight_versions"]
+            assert spans[0]["start"] == 0 and spans[-1]["end"] == 160
+            assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:], strict=False))
+        straddling = [c for c in choices if [s["version"] for s in c["weight_versions"]] == ["base", "step_1"]]
+        assert straddling, [c["weight_versions"] for c in choices]
+    finally:
+        assert admin(server, "reload_weights").status_code == 200
+
+
+def test_bad_requests_get_4xx_and_weights_stay(server):
+    before = generate(server, max_tokens=10)
+    root: Path = server.root
+    (root / "not_a_dir.txt").write_text("x")
+    other = build_tiny_model(TinyModelConfig(output=root / "wrong_shapes", hidden_size=64, num_heads=1))
+    (root / "empty").mkdir(exist_ok=True)
+    (root / "corrupt").mkdir(exist_ok=True)
+    (root / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    cases = [
+        ({"weight_dir": str(root / "missing")}, 404),
+        ({"weight_dir": "/etc"}, 403),
+        ({"weight_dir": str(root / ".." )}, 403),
+        ({"weight_dir": str(root / "not_a_dir.txt")}, 400),
+        ({"weight_dir": "relative/path"}, 400),
+        ({"weight_dir": str(other)}, 422),
+        ({"weight_dir": str(root / "empty")}, 422),
+        ({"weight_dir": str(root / "corrupt")}, 422),
+        ({"weight_dir": 5}, 422),
+        ({"dir": str(server.step_1)}, 422),
+    ]
+    for body, status in cases:
+        r = admin(server, "update_weights", body)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["message"]
+    assert admin(server, "update_weights", content=b"{not json").status_code == 400
+    assert admin(server, "reload_weights", content=b"[1, 2").status_code == 400
+    no_key = admin(server, "update_weights", {"weight_dir": str(server.step_1)}, headers={})
+    wrong_key = admin(server, "update_weights", {"weight_dir": str(server.step_1)}, headers={"Authorization": "Bearer x"})
+    assert no_key.status_code == 401 and wrong_key.status_code == 401
+    assert admin(server, "reload_weights", headers={}).status_code == 401
+    r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [1]}, timeout=30)
+    assert r.status_code == 401
+    # Still serving, with the same weights and version.
+    assert generate(server, max_tokens=10) == before
+
+
+def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monkeypatch):
+    """The verifiers train client, unmodified, against /inference/v1/generate at temperature 0.5."""
+    import renderers
+    import verifiers.v1 as vf
+
+    import vf_tiny_env
+
+    monkeypatch.setenv("TINY_API_KEY", API_KEY)
+    client = vf.TrainClientConfig(
+        base_url=f"{server.url}/v1",
+        api_key_var="TINY_API_KEY",
+        renderer=renderers.Qwen3RendererConfig(),
+        renderer_model_name=str(server.base),
+    )
+    cfg = vf.AgentConfig(
+        model=str(server.base),
+        client=client,
+        harness=vf.HarnessConfig(id="vf_tiny_env"),
+        runtime=vf.SubprocessConfig(),
+        sampling=vf.SamplingConfig(temperature=0.5, max_tokens=24),
+    )
+    task = next(iter(vf_tiny_env.TinyTaskset(vf_tiny_env.TinyConfig(num_tasks=1)).load()))
+
+    async def run():
+        async with vf.make_agent(cfg) as agent:
+            return await asyncio.gather(*[agent.run(task) for _ in range(4)])
+
+    traces = asyncio.run(run())
+    for trace in traces:
+        assert not trace.has_error, trace.errors
+        branch = trace.branches[0]
+        mask = list(branch.sampled_mask)
+        start = mask.index(True)
+        assert not any(mask[:start]) and all(mask[start:])
+        prompt_ids, completion_ids = list(branch.token_ids[:start]), list(branch.token_ids[start:])
+        assert 0 < len(completion_ids) <= 24
+        got = torch.tensor([lp for lp, m in zip(branch.logprobs, mask, strict=True) if m])
+        ref = hf_logprobs(server.base, prompt_ids, completion_ids, temperature=0.5)
+        assert torch.allclose(got, ref, atol=LOGPROB_ATOL), (got - ref).abs().max()
+        # The raw (T=1) distribution differs clearly: the server returns the processed one.
+        raw = hf_logprobs(server.base, prompt_ids, completion_ids, temperature=1.0)
+        assert (got - raw).abs().max() > 10 * LOGPROB_ATOL
+
+
+def test_chat_completions_return_token_ids_and_logprobs(server):
+    body = {
+        "model": str(server.base),
+        "messages": [{"role": "user", "content": "Reverse: abc"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choice = data["choices"][0]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) > 0
+    assert data["prompt_token_ids"] == server.tokenizer.apply_chat_template(
+        body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_passthrough_vllm_flag_reached_the_engine(server):
+    """`--max-num-seqs 48` is not ours: vLLM receives it; our own fields land in vLLM and in the resolved config."""
+    log = (server.output_dir / "logs" / "inference.log").read_text()
+    assert "'max_num_seqs': 48" in log and "'logprobs_mode': 'processed_logprobs'" in log
+    r = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=30)
+    assert r.json()["data"][0]["max_model_len"] == 512
+    resolved = tomllib.loads((server.output_dir / "configs" / "inference.toml").read_text())
+    assert resolved["model"]["max_model_len"] == 512 and resolved["model"]["name"] == str(server.base)
