@@ -244,6 +244,8 @@ class PrimeRLEndpoints:
         base_dir = resolve_model_dir(args.model)
         roots = [Path(p) for p in getattr(args, "prime_weight_roots", [])]
         state.prime_swapper = WeightSwapper(engine_client, base_dir, roots)
+        # Tokens of the base policy are reported as version "base" (vLLM's default label is "default").
+        await engine_client.update_weight_version(BASE_VERSION)
 
 
 def resolve_model_dir(name: str) -> Path:
