@@ -33,7 +33,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from prime_rl.config.base import EntrypointConfig
 
-C = TypeVar("C", bound=EntrypointConfig)
+C = TypeVar("C", bound=BaseModel)
 
 ENV_PREFIX = "PRIME_"
 INCLUDE_KEY = "toml_files"
@@ -477,7 +477,7 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
         if info.sections:
             lines.append(f"[{'.'.join(info.path)}]{' (optional: --' + '.'.join(info.path) + ' enables)' if info.optional else ''}  {descr}")
         else:
-            lines.append(f"  --{'.'.join(info.path)}  {descr}")
+            lines.append(f"  --{'.'.join(info.path).replace('_', '-')}  {descr}")
     return "\n".join(lines)
 
 
@@ -488,10 +488,13 @@ def _description(root: type[BaseModel], path: tuple[str, ...]) -> str:
     for model in models:
         if path[-1] in model.model_fields:
             info = model.model_fields[path[-1]]
+            if info.is_required():
+                return f"{info.description or ''} [required]"
             default = info.get_default(call_default_factory=True)
             if isinstance(default, BaseModel) or default is None or isinstance(default, SecretStr):
                 return info.description or ""
-            return f"{info.description or ''} [default: {default}]"
+            shown = str(default) if isinstance(default, Path) else repr(default)
+            return f"{info.description or ''} [default: {shown}]"
     return ""
 
 

@@ -449,3 +449,12 @@ def perturb_weights(src: Path, dst: Path, scale: float = 0.5, seed: int = 1) -> 
 
 
 __all__ = ["TinyModelConfig", "build_tiny_model", "perturb_weights"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`uv run tiny-model --output DIR [--family llama] [--no-tie-word-embeddings] [--hidden-size 256] ...`"""
+    from prime_rl.config.loader import load_config
+
+    config, _ = load_config(TinyModelConfig, "tiny-model", argv)
+    path = build_tiny_model(config)
+    print(f"wrote {config.family} model ({'tied' if config.tie_word_embeddings else 'untied'} embeddings) to {path}")
