@@ -33,7 +33,15 @@ def server(request, tmp_path_factory):
     srv = InferenceServer(
         base,
         root / "out",
-        extra=["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root), "--max-num-seqs", "48"],
+        extra=[
+            "--model.enforce-eager",
+            "--model.max-model-len",
+            "512",
+            "--allowed-weight-roots",
+            str(root),
+            "--max-num-seqs",
+            "48",
+        ],
         api_key=API_KEY,
     )
     try:
@@ -152,7 +160,7 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
     cases = [
         ({"weight_dir": str(root / "missing")}, 404),
         ({"weight_dir": "/etc"}, 403),
-        ({"weight_dir": str(root / ".." )}, 403),
+        ({"weight_dir": str(root / "..")}, 403),
         ({"weight_dir": str(root / "not_a_dir.txt")}, 400),
         ({"weight_dir": "relative/path"}, 400),
         ({"weight_dir": str(other)}, 422),
@@ -168,7 +176,9 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
     assert admin(server, "update_weights", content=b"{not json").status_code == 400
     assert admin(server, "reload_weights", content=b"[1, 2").status_code == 400
     no_key = admin(server, "update_weights", {"weight_dir": str(server.step_1)}, headers={})
-    wrong_key = admin(server, "update_weights", {"weight_dir": str(server.step_1)}, headers={"Authorization": "Bearer x"})
+    wrong_key = admin(
+        server, "update_weights", {"weight_dir": str(server.step_1)}, headers={"Authorization": "Bearer x"}
+    )
     assert no_key.status_code == 401 and wrong_key.status_code == 401
     assert admin(server, "reload_weights", headers={}).status_code == 401
     r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [1]}, timeout=30)
@@ -181,7 +191,6 @@ def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monke
     """The verifiers train client, unmodified, against /inference/v1/generate at temperature 0.5."""
     import renderers
     import verifiers.v1 as vf
-
     import vf_tiny_env
 
     monkeypatch.setenv("TINY_API_KEY", API_KEY)

@@ -223,3 +223,9 @@ def test_env_prefix_only_reads_prime_vars(monkeypatch, capsys):
     monkeypatch.setenv("MODEL__NAME", "ignored")
     assert dry_run(InferenceConfig, [], capsys)["model"]["name"] == "Qwen/Qwen3-0.6B"
     assert os.environ["MODEL__NAME"] == "ignored"
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[2].glob("configs/inference/*.toml")), ids=str)
+def test_shipped_inference_configs_parse(path, capsys):
+    cfg = dry_run(InferenceConfig, ["@", str(path)], capsys)
+    assert cfg["model"]["name"]

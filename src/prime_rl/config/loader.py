@@ -475,7 +475,9 @@ def help_text(cls: type[BaseModel], prog: str) -> str:
     for info in _walk([cls]):
         descr = _description(cls, info.path)
         if info.sections:
-            lines.append(f"[{'.'.join(info.path)}]{' (optional: --' + '.'.join(info.path) + ' enables)' if info.optional else ''}  {descr}")
+            lines.append(
+                f"[{'.'.join(info.path)}]{' (optional: --' + '.'.join(info.path) + ' enables)' if info.optional else ''}  {descr}"
+            )
         else:
             lines.append(f"  --{'.'.join(info.path).replace('_', '-')}  {descr}")
     return "\n".join(lines)

@@ -67,11 +67,8 @@ LLAMA_ADDED_TOKENS: list[tuple[str, bool]] = [
     ("<|python_tag|>", True),
 ]
 
-# Qwen3 ChatML. Same output as Qwen3's own template: system block (with the tool list when `tools`
-# is given), reasoning shown only on assistant turns after the last real user query, tool calls as
-# JSON inside <tool_call>, tool results grouped into one user turn, `enable_thinking=false` prefilling
-# an empty think block. Content may be a string or a list of text parts.
-QWEN3_CHAT_TEMPLATE = r"""
+# Both templates accept message content as a string or a list of text parts.
+_TEXT_OF = r"""
 {%- macro text_of(content) -%}
     {%- if content is string -%}
         {{- content -}}
@@ -85,6 +82,15 @@ QWEN3_CHAT_TEMPLATE = r"""
         {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
+"""
+
+# Qwen3 ChatML. Same output as Qwen3's own template: system block (with the tool list when `tools`
+# is given), reasoning shown only on assistant turns after the last real user query, tool calls as
+# JSON inside <tool_call>, tool results grouped into one user turn, `enable_thinking=false` prefilling
+# an empty think block. Content may be a string or a list of text parts.
+QWEN3_CHAT_TEMPLATE = (
+    _TEXT_OF
+    + r"""
 {%- set starts_with_system = messages | length > 0 and messages[0].role == 'system' -%}
 {%- if tools -%}
     {{- '<|im_start|>system\n' -}}
@@ -169,22 +175,12 @@ QWEN3_CHAT_TEMPLATE = r"""
     {%- endif -%}
 {%- endif -%}
 """.strip()
+)
 
 # Llama-3 (3.0-style: no date preamble, no tool prompt). Content is trimmed as in Meta's template.
-LLAMA_CHAT_TEMPLATE = r"""
-{%- macro text_of(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content -%}
-            {%- if part is string -%}
-                {{- part -}}
-            {%- elif part is mapping and part.text is string -%}
-                {{- part.text -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
+LLAMA_CHAT_TEMPLATE = (
+    _TEXT_OF
+    + r"""
 {{- '<|begin_of_text|>' -}}
 {%- for message in messages -%}
     {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (text_of(message.content) | trim) -}}
@@ -194,6 +190,7 @@ LLAMA_CHAT_TEMPLATE = r"""
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
 {%- endif -%}
 """.strip()
+)
 
 
 class TinyModelConfig(BaseConfig):

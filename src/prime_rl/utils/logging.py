@@ -15,9 +15,7 @@ from pathlib import Path
 
 from loguru import logger
 
-CONSOLE_FORMAT = (
-    "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>{extra[process]}</cyan> {message}"
-)
+CONSOLE_FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> <cyan>{extra[process]}</cyan> {message}"
 FILE_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[process]} | {name}:{line} | {message}"
 
 _configured: str | None = None
