@@ -107,6 +107,9 @@ def test_swap_changes_output_matches_transformers_and_reload_restores(server):
         new_ref = hf_logprobs(server.step_1, server.prompt_ids, sampled["ids"])
         old_ref = hf_logprobs(server.base, server.prompt_ids, sampled["ids"])
         assert torch.allclose(torch.tensor(sampled["logprobs"]), new_ref, atol=LOGPROB_ATOL)
+        print(
+            f"max |vLLM - transformers fp32| logprob after swap: {(torch.tensor(sampled['logprobs']) - new_ref).abs().max():.4f}"
+        )
         # The check can tell old from new weights: the base model's logprobs are far off.
         assert (torch.tensor(sampled["logprobs"]) - old_ref).abs().max() > 10 * LOGPROB_ATOL
     finally:
@@ -226,6 +229,7 @@ def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monke
         got = torch.tensor([lp for lp, m in zip(branch.logprobs, mask, strict=True) if m])
         ref = hf_logprobs(server.base, prompt_ids, completion_ids, temperature=0.5)
         assert torch.allclose(got, ref, atol=LOGPROB_ATOL), (got - ref).abs().max()
+        print(f"train client at T=0.5: max |vLLM - transformers fp32| logprob {(got - ref).abs().max():.4f}")
         raw = hf_logprobs(server.base, prompt_ids, completion_ids, temperature=1.0)
         raw_gap = max(raw_gap, (got - raw).abs().max().item())
     # The raw (T=1) distribution is clearly further off (the random model's logits are small, so the
