@@ -3,7 +3,7 @@
     uv run python scripts/chat.py [--url http://127.0.0.1:8000] [--temperature 0.7] [--max-tokens 256]
 
 Type a message and press enter; `/reset` clears the history, `/quit` (or Ctrl-D) leaves. The API key,
-if the server has one, is read from the PRIME_INFERENCE_API_KEY environment variable.
+if the server has one, is read from the OPENAI_API_KEY environment variable.
 """
 
 import argparse
@@ -18,7 +18,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
-    key = os.environ.get("PRIME_INFERENCE_API_KEY")
+    key = os.environ.get("OPENAI_API_KEY")
     client = httpx.Client(base_url=args.url, timeout=600, headers={"Authorization": f"Bearer {key}"} if key else {})
     model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
     print(f"chatting with {model} at {args.url}")
