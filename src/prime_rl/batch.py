@@ -1,0 +1,174 @@
+"""The on-disk batch format shared by the orchestrator (writer) and the trainer (reader).
+
+One file per trainer step, `{output_dir}/rollouts/step_{n}/batch.bin`, msgpack-encoded with msgspec. The writer
+publishes the file atomically (temp file + fsync + rename), so a reader that sees the path always sees a complete
+file; the reader decodes with a typed decoder so a wrong-typed field fails at load time, not deep in training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+
+class TrainingSample(msgspec.Struct, frozen=True):
+    """One trajectory, token-aligned: every per-token list has one entry per token in `token_ids`."""
+
+    token_ids: list[int]
+    """Prompt + completion (+ environment turns): exactly the tokens the model saw."""
+    loss_mask: list[bool]
+    """True on tokens sampled by the policy that are trained on."""
+    inference_logprobs: list[float]
+    """Logprob of each token under the sampling policy (0.0 where `loss_mask` is False)."""
+    advantages: list[float]
+    """Per-token advantage (a per-sample advantage repeated over its tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by it so its logprobs match the sampler's."""
+    policy_versions: list[int] = []
+    """Distinct policy steps that generated the sample's tokens, ascending."""
+
+
+class TrainingBatch(msgspec.Struct, frozen=True):
+    """Everything the trainer consumes for one step."""
+
+    step: int
+    """Trainer step that consumes this batch."""
+    samples: list[TrainingSample]
+
+
+class BatchError(ValueError):
+    """A batch file that cannot be used; the message names the file and, where relevant, the sample index."""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(TrainingBatch)
+
+
+def batch_path(output_dir: Path, step: int) -> Path:
+    """Where the batch for `step` lives; the one place both processes agree on the layout."""
+    return Path(output_dir) / "rollouts" / f"step_{step}" / "batch.bin"
+
+
+def write_batch(batch: TrainingBatch, path: Path) -> None:
+    """Write `batch` so that `path` appears only once complete.
+
+    The bytes go to a temp file in the same directory (same filesystem, so the rename is atomic), are fsynced,
+    then renamed over `path`; the directory is fsynced too so the rename survives a crash.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _ENCODER.encode(batch)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename; best effort, since some filesystems do not allow opening directories."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_batch(path: Path) -> TrainingBatch:
+    """Load and type-check a batch file; any decoding failure becomes a BatchError naming the file.
+
+    A missing file is not a corrupt one, so its OSError passes through unchanged.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise BatchError(f"{path}: corrupt or truncated batch file: {exc}") from None
+
+
+def _first_non_finite(values: Sequence[float]) -> int | None:
+    """Index of the first NaN/inf, or None; the all() fast path keeps the common case in C."""
+    if all(map(math.isfinite, values)):
+        return None
+    return next(i for i, v in enumerate(values) if not math.isfinite(v))
+
+
+def _sample_problem(sample: TrainingSample, vocab_size: int, seq_len: int) -> str | None:
+    """Describe the first thing wrong with one sample, or None if it is usable."""
+    n = len(sample.token_ids)
+    lengths = {
+        "loss_mask": len(sample.loss_mask),
+        "inference_logprobs": len(sample.inference_logprobs),
+        "advantages": len(sample.advantages),
+    }
+    unequal = {name: length for name, length in lengths.items() if length != n}
+    if unequal:
+        detail = ", ".join(f"{name} has {length}" for name, length in unequal.items())
+        return f"has unequal list lengths: token_ids has {n}, {detail}"
+    if n == 0:
+        return "is empty"
+    if n > seq_len:
+        return f"has {n} tokens, more than seq_len={seq_len}"
+    if min(sample.token_ids) < 0 or max(sample.token_ids) >= vocab_size:
+        pos, tok = next((i, t) for i, t in enumerate(sample.token_ids) if not 0 <= t < vocab_size)
+        return f"has token id {tok} at position {pos}, outside the vocabulary [0, {vocab_size})"
+    for name in ("inference_logprobs", "advantages"):
+        values = getattr(sample, name)
+        pos = _first_non_finite(values)
+        if pos is not None:
+            return f"has non-finite {name} value {values[pos]} at position {pos}"
+    if not (math.isfinite(sample.temperature) and sample.temperature > 0):
+        return f"has temperature {sample.temperature}, which must be finite and > 0"
+    return None
+
+
+def validate_batch(batch: TrainingBatch, path: Path, vocab_size: int, seq_len: int) -> None:
+    """Reject a batch the trainer cannot train on, before it turns into a CUDA index error or a NaN loss.
+
+    Whether `batch.step` is the step the trainer expects is the caller's check.
+    """
+    for i, sample in enumerate(batch.samples):
+        problem = _sample_problem(sample, vocab_size, seq_len)
+        if problem is not None:
+            raise BatchError(f"{path}: sample {i} {problem}")
+
+
+def wait_for_batch(path: Path, timeout: float | None = None, poll: float = 0.05, max_poll: float = 1.0) -> Path:
+    """Block until `path` exists, polling with exponential backoff (poll, 2*poll, ... up to max_poll).
+
+    The writer renames the file into place, so existence means complete. Backoff keeps a trainer that waits
+    minutes on slow rollouts from hammering a shared filesystem, while a batch that is nearly ready is seen fast.
+    """
+    if poll <= 0 or max_poll < poll:
+        raise ValueError(f"need 0 < poll <= max_poll, got poll={poll}, max_poll={max_poll}")
+    path = Path(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = poll
+    while True:
+        if path.exists():
+            return path
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{path}: batch file did not appear within {timeout} s")
+            time.sleep(min(delay, remaining))
+        else:
+            time.sleep(delay)
+        delay = min(delay * 2, max_poll)

@@ -1,0 +1,271 @@
+"""RL losses for asynchronous training: importance weighting, ratio masks and the per-token objectives.
+
+Tokens were sampled by the inference server with logprobs μ, possibly a few policy steps ago; the trainer
+recomputes them as π. Every objective weights the policy gradient by some function of the ratio
+r = exp(π − μ), and ratios that are far from 1 (stale samples, numerical mismatch between vLLM and the
+trainer) are masked out entirely rather than trusted.
+
+Everything works on flat per-token tensors of length N (one packed row, or any concatenation of tokens)
+with `sample_ids` saying which sample each token belongs to. The loss is a *sum* over kept tokens divided by
+`loss_scale`, the number of loss tokens of the whole step, so summing gradients over micro-batches and
+data-parallel ranks gives exactly the gradient of one big batch, however the samples were packed.
+"""
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor
+
+from prime_rl.config import BaseConfig
+
+
+class LossConfig(BaseConfig):
+    objective: Literal["aipo", "grpo", "gspo", "cispo"] = "aipo"
+    """Policy objective: truncated IS REINFORCE, token PPO clip, sequence PPO clip, or clipped-weight REINFORCE."""
+
+    delta: float = Field(2.0, gt=0)
+    """aipo: truncation of the importance weight, min(r, delta)."""
+
+    eps_low: float = Field(0.2, ge=0)
+    """grpo/cispo: lower clip of the ratio at 1 - eps_low."""
+
+    eps_high: float = Field(0.28, ge=0)
+    """grpo/cispo: upper clip of the ratio at 1 + eps_high (DAPO clip-higher)."""
+
+    gspo_eps_low: float = Field(3e-4, ge=0)
+    """gspo: lower clip of the sequence ratio at 1 - gspo_eps_low (GSPO paper value)."""
+
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    """gspo: upper clip of the sequence ratio at 1 + gspo_eps_high (GSPO paper value)."""
+
+    token_mask_low: float = 0.125
+    """Drop a loss token whose ratio r is below this."""
+
+    token_mask_high: float = 8.0
+    """Drop a loss token whose ratio r is above this."""
+
+    geo_mask_low: float = 0.1
+    """Drop a whole sample whose geometric-mean ratio over its loss tokens is below this."""
+
+    geo_mask_high: float = 10.0
+    """Drop a whole sample whose geometric-mean ratio over its loss tokens is above this."""
+
+    sequence_mask_low: float = 0.0
+    """Drop a whole sample if the smallest ratio among its loss tokens is below this (0 disables)."""
+
+    sequence_mask_high: float = 100.0
+    """Drop a whole sample if the largest ratio among its loss tokens is above this."""
+
+    kl_tau: float = Field(0.0, ge=0)
+    """Strength of the pull towards the sampling policy: advantages become A - kl_tau * log r (0 disables)."""
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> "LossConfig":
+        for name in ("token_mask", "geo_mask", "sequence_mask"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if not low < high:
+                raise ValueError(f"{name}_low ({low}) must be < {name}_high ({high})")
+        return self
+
+
+def importance_log_ratio(trainer_logprobs: Tensor, inference_logprobs: Tensor) -> Tensor:
+    """log r = π − μ per token. μ is data from the sampler, so it is detached; the gradient flows through π."""
+    return trainer_logprobs - inference_logprobs.detach()
+
+
+def sequence_stats(
+    log_ratio: Tensor, loss_mask: Tensor, sample_ids: Tensor, num_samples: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample mean log-ratio (keeps gradient) and min / max ratio (detached) over each sample's loss tokens.
+
+    exp(mean_log_r) is the geometric-mean ratio, i.e. GSPO's length-normalised sequence ratio. A sample with
+    no loss tokens (padding) gets mean 0 and min = max = 1, the on-policy values, so no mask ever fires on it.
+    Written with scatter ops and no boolean indexing, so it does not synchronise with the device.
+    """
+    counts = torch.zeros(num_samples, dtype=log_ratio.dtype, device=log_ratio.device)
+    counts.index_add_(0, sample_ids, loss_mask.to(log_ratio.dtype))
+    sums = torch.zeros(num_samples, dtype=log_ratio.dtype, device=log_ratio.device)
+    sums = sums.index_add(0, sample_ids, torch.where(loss_mask, log_ratio, 0.0))
+    mean_log_r = sums / counts.clamp(min=1)
+
+    ratio = log_ratio.detach().exp()
+    inf = torch.full_like(counts, float("inf"))
+    min_r = inf.scatter_reduce(0, sample_ids, torch.where(loss_mask, ratio, float("inf")), "amin")
+    max_r = (-inf).scatter_reduce(0, sample_ids, torch.where(loss_mask, ratio, -float("inf")), "amax")
+    has_tokens = counts > 0
+    min_r = torch.where(has_tokens, min_r, 1.0)
+    max_r = torch.where(has_tokens, max_r, 1.0)
+    return mean_log_r, min_r, max_r
+
+
+def ratio_masks(
+    log_ratio: Tensor, loss_mask: Tensor, sample_ids: Tensor, num_samples: int, config: LossConfig
+) -> dict[str, Tensor]:
+    """Per-token bool masks of loss tokens dropped for an untrustworthy ratio, and `keep` = trained tokens.
+
+    Token masks drop single outliers; the geo and sequence masks drop the whole sample, because one wildly
+    off-policy stretch means the rest of that trajectory was not sampled by anything like the current policy
+    either. Thresholds are strict: a ratio exactly at a bound is kept. Every mask is False off the loss mask.
+    """
+    log_ratio = log_ratio.detach()
+    mean_log_r, min_r, max_r = sequence_stats(log_ratio, loss_mask, sample_ids, num_samples)
+    ratio = log_ratio.exp()
+    geo = mean_log_r.exp()
+    masks = {
+        "token_low": ratio < config.token_mask_low,
+        "token_high": ratio > config.token_mask_high,
+        "geo_low": (geo < config.geo_mask_low)[sample_ids],
+        "geo_high": (geo > config.geo_mask_high)[sample_ids],
+        "sequence_low": (min_r < config.sequence_mask_low)[sample_ids],
+        "sequence_high": (max_r > config.sequence_mask_high)[sample_ids],
+    }
+    masks = {name: mask & loss_mask for name, mask in masks.items()}
+    dropped = torch.zeros_like(loss_mask)
+    for mask in masks.values():
+        dropped = dropped | mask
+    masks["keep"] = loss_mask & ~dropped
+    return masks
+
+
+# Per-token objectives. Shared signature: (trainer_logprobs π, log_ratio, advantages Â, config) ->
+# (per-token loss L_t, bool "weight was truncated/clipped" per token). `advantages` is the effective advantage
+# (KL shaping already applied). Masking and normalisation happen in `compute_loss`.
+
+
+def aipo_loss(
+    trainer_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, config: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance-weighted REINFORCE: L = −sg(min(r, δ))·Â·π.
+
+    The weight corrects for staleness while the truncation bounds the variance a single token can inject;
+    unlike PPO clipping, a truncated token still gets a (bounded) gradient.
+    """
+    ratio = log_ratio.detach().exp()
+    weight = ratio.clamp(max=config.delta)
+    return -weight * advantages * trainer_logprobs, ratio > config.delta
+
+
+def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """−min(r·Â, clip(r, low, high)·Â). Where the clipped term wins the min it is a constant: zero gradient."""
+    ratio = log_ratio.exp()
+    clipped_ratio = ratio.detach().clamp(min=low, max=high)
+    clipped = clipped_ratio * advantages < ratio.detach() * advantages
+    return -torch.where(clipped, clipped_ratio * advantages, ratio * advantages), clipped
+
+
+def grpo_loss(
+    trainer_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, config: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """PPO clip per token with separate epsilons: −min(r·Â, clip(r, 1−eps_low, 1+eps_high)·Â).
+
+    The min is pessimistic: a token stops being pushed once its ratio has moved past the trust region in the
+    direction its advantage wants (above 1+eps_high for Â>0, below 1−eps_low for Â<0). A larger eps_high
+    (clip-higher) leaves room to raise low-probability tokens, which keeps entropy from collapsing.
+    """
+    return _clipped_surrogate(log_ratio, advantages, 1 - config.eps_low, 1 + config.eps_high)
+
+
+def gspo_loss(
+    trainer_logprobs: Tensor, seq_log_ratio: Tensor, advantages: Tensor, config: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """PPO clip on the sequence ratio s_i = exp(mean log r over sample i), broadcast to each of its tokens.
+
+    `seq_log_ratio` is log s_i per token (mean_log_r[sample_ids], with gradient). Rewards are per sequence, so
+    the ratio is too: the length-normalised ratio has low variance, which is why its clip range is ~1e-4.
+    Clipping removes the gradient of the whole sample at once.
+    """
+    return _clipped_surrogate(seq_log_ratio, advantages, 1 - config.gspo_eps_low, 1 + config.gspo_eps_high)
+
+
+def cispo_loss(
+    trainer_logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, config: LossConfig
+) -> tuple[Tensor, Tensor]:
+    """Clipped importance-sampling-weight REINFORCE: L = −sg(clip(r, 1−eps_low, 1+eps_high))·Â·π.
+
+    Clips the weight, not the update: a token outside the trust region still gets gradient −clip(r)·Â,
+    whereas PPO would drop it. Rare tokens whose probability jumps are often the important ones (forks in
+    reasoning), and PPO would silence exactly those.
+    """
+    ratio = log_ratio.detach().exp()
+    low, high = 1 - config.eps_low, 1 + config.eps_high
+    weight = ratio.clamp(min=low, max=high)
+    return -weight * advantages * trainer_logprobs, (ratio < low) | (ratio > high)
+
+
+OBJECTIVES: dict[str, Callable[[Tensor, Tensor, Tensor, LossConfig], tuple[Tensor, Tensor]]] = {
+    "aipo": aipo_loss,
+    "grpo": grpo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+
+def _count_samples(token_mask: Tensor, sample_ids: Tensor, num_samples: int) -> Tensor:
+    """Number of samples with at least one token in `token_mask`."""
+    hits = torch.zeros(num_samples, dtype=torch.float64, device=token_mask.device)
+    return hits.index_add(0, sample_ids, token_mask.to(torch.float64)).gt(0).sum().to(torch.float64)
+
+
+def compute_loss(
+    trainer_logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    sample_ids: Tensor,
+    num_samples: int,
+    loss_scale: float,
+    config: LossConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ over kept tokens of the objective's L_t, divided by `loss_scale`, and detached stats.
+
+    `loss_scale` is the loss-token count of the whole step (all micro-batches and ranks), not of this call,
+    so the summed gradients equal those of one big batch. Stats are float64 0-d sums and counts, made to be
+    all-reduced with SUM and then averaged: `*_tokens` and `mismatch_kl_sum` over `loss_tokens`,
+    `*_samples` over `samples`.
+    """
+    n = trainer_logprobs.shape[0]
+    for name, tensor in (("inference_logprobs", inference_logprobs), ("advantages", advantages)):
+        if tensor.shape != (n,):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({n},)")
+    if loss_mask.shape != (n,) or sample_ids.shape != (n,):
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and sample_ids {tuple(sample_ids.shape)} must be ({n},)")
+    loss_mask = loss_mask.bool()
+
+    log_ratio = importance_log_ratio(trainer_logprobs, inference_logprobs)
+    masks = ratio_masks(log_ratio, loss_mask, sample_ids, num_samples, config)
+    keep = masks["keep"]
+
+    # Zero every input on dropped tokens before any exp or product: a masked token with a huge ratio would
+    # otherwise put inf into the graph and turn its zero gradient into inf * 0 = NaN.
+    effective_adv = torch.where(keep, advantages - config.kl_tau * log_ratio.detach(), 0.0)
+    if config.objective == "gspo":
+        mean_log_r, _, _ = sequence_stats(log_ratio, loss_mask, sample_ids, num_samples)
+        ratio_input = mean_log_r[sample_ids]
+    else:
+        ratio_input = log_ratio
+    ratio_input = torch.where(keep, ratio_input, 0.0)
+    policy_logprobs = torch.where(keep, trainer_logprobs, 0.0)
+
+    per_token, clipped = OBJECTIVES[config.objective](policy_logprobs, ratio_input, effective_adv, config)
+    loss = torch.where(keep, per_token, 0.0).sum() / loss_scale
+
+    with torch.no_grad():
+        f64 = torch.float64
+        lr = log_ratio.detach().to(f64)
+        k3 = lr.exp() - lr - 1  # unbiased, always >= 0 estimator of KL(μ || π) from samples of μ
+        geo = masks["geo_low"] | masks["geo_high"]
+        seq = masks["sequence_low"] | masks["sequence_high"]
+        stats = {
+            "loss_tokens": loss_mask.sum().to(f64),
+            "samples": _count_samples(loss_mask, sample_ids, num_samples),
+            "mismatch_kl_sum": torch.where(loss_mask, k3, 0.0).sum(),
+            "masked_tokens": (loss_mask & ~keep).sum().to(f64),
+            "masked_low": masks["token_low"].sum().to(f64),
+            "masked_high": masks["token_high"].sum().to(f64),
+            "geo_masked_samples": _count_samples(geo, sample_ids, num_samples),
+            "sequence_masked_samples": _count_samples(seq, sample_ids, num_samples),
+            "clipped_tokens": (clipped & keep).sum().to(f64),
+        }
+    return loss, stats

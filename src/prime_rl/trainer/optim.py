@@ -1,0 +1,209 @@
+"""Optimizer and learning-rate schedule builders for the trainer.
+
+The schedule is a pure function of the step (`lr_at`), so it can be tested by hand and a resumed run
+reproduces it exactly: `build_scheduler` only wraps it in a `LambdaLR`, whose state is the step count.
+
+Step convention: `step` is the 0-based number of optimizer steps already taken, i.e. `lr_at(s)` is the
+learning rate that optimizer step `s` uses. Every phase hits its end point on its own last step:
+
+- warmup (`s < warmup_steps`): `lr * (s + 1) / warmup_steps`, so the first step is not wasted at lr 0
+  and step `warmup_steps - 1` already uses the full `lr`;
+- linear decay over the last `decay_steps` steps: step `max_steps - decay_steps + k` (k = 0..decay_steps-1)
+  uses `lr - (lr - min_lr) * (k + 1) / decay_steps`, so the last step `max_steps - 1` uses exactly `min_lr`;
+- cosine over steps `warmup_steps .. max_steps - 1` with progress `p = (s + 1 - warmup_steps) /
+  (max_steps - warmup_steps)`: `min_lr + (lr - min_lr) * (1 + cos(pi * p)) / 2`, so the last step also uses
+  exactly `min_lr`.
+
+Steps at or past `max_steps` keep the final value (`min_lr`): `LambdaLR` evaluates one step ahead after the
+last `scheduler.step()`, which must not fail.
+"""
+
+import math
+from collections.abc import Iterable
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch.distributed.tensor import DTensor
+
+from prime_rl.config import BaseConfig
+
+
+class AdamWConfig(BaseConfig):
+    type: Literal["adamw"] = "adamw"
+    """Optimizer kind (selects this section)."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay (AdamW style), applied to every parameter."""
+
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates."""
+
+    max_norm: float = Field(1.0, ge=0)
+    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
+
+
+class SGDConfig(BaseConfig):
+    type: Literal["sgd"] = "sgd"
+    """Optimizer kind (selects this section)."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """L2 penalty added to the gradient (coupled, as in torch SGD)."""
+
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """Momentum factor; 0 is plain SGD."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum (needs `momentum > 0`)."""
+
+    max_norm: float = Field(1.0, ge=0)
+    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "SGDConfig":
+        # torch raises only when the optimizer is built; fail at config load instead.
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=true needs momentum > 0 (set nesterov=false for plain SGD)")
+        return self
+
+
+OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="type")]
+
+
+class ConstantSchedulerConfig(BaseConfig):
+    type: Literal["constant"] = "constant"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup before the constant learning rate; 0 starts at full lr."""
+
+
+class LinearSchedulerConfig(BaseConfig):
+    type: Literal["linear"] = "linear"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(10, ge=0)
+    """Steps of linear warmup at the start."""
+
+    decay_steps: int = Field(10, ge=0)
+    """Last steps of the run over which the lr falls linearly to `min_lr` (reached on the final step)."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate of the final step; must not exceed the optimizer's `lr`."""
+
+
+class CosineSchedulerConfig(BaseConfig):
+    type: Literal["cosine"] = "cosine"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(10, ge=0)
+    """Steps of linear warmup at the start."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate of the final step, where the cosine ends; must not exceed the optimizer's `lr`."""
+
+
+SchedulerConfig = Annotated[
+    ConstantSchedulerConfig | LinearSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")
+]
+
+
+def build_optimizer(params: Iterable[torch.Tensor] | Iterable[dict], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build the configured torch optimizer; FSDP2 DTensor parameters are passed through unchanged."""
+    params = list(params)
+    if isinstance(config, AdamWConfig):
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    if isinstance(config, SGDConfig):
+        return torch.optim.SGD(
+            params,
+            lr=config.lr,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+        )
+    raise TypeError(f"unknown optimizer config {type(config).__name__}")
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients to `max_norm` (0: no clipping) and return the global norm before clipping.
+
+    The norm is always computed because it is worth logging. With FSDP2 the gradients are sharded DTensors:
+    their norm is a DTensor, and `full_tensor()` all-reduces it into the true global norm.
+    """
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.item()
+
+
+def _check_schedule(config: SchedulerConfig, base_lr: float, max_steps: int | None) -> None:
+    """Reject schedules that cannot be followed, with a message naming the fields to change."""
+    if isinstance(config, LinearSchedulerConfig | CosineSchedulerConfig):
+        if max_steps is None:
+            raise ValueError(f"the {config.type} lr schedule needs max_steps to be set")
+        if config.min_lr > base_lr:
+            raise ValueError(f"scheduler min_lr={config.min_lr} is above the optimizer lr={base_lr}")
+    if max_steps is not None:
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        decay = config.decay_steps if isinstance(config, LinearSchedulerConfig) else 0
+        if config.warmup_steps + decay > max_steps:
+            raise ValueError(
+                f"warmup_steps ({config.warmup_steps}) + decay_steps ({decay}) exceed max_steps ({max_steps})"
+            )
+
+
+def lr_at(step: int, base_lr: float, config: SchedulerConfig, max_steps: int | None) -> float:
+    """Learning rate used by optimizer step `step` (0-based count of steps already taken); see module docs."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    _check_schedule(config, base_lr, max_steps)
+    warmup = config.warmup_steps
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    if isinstance(config, ConstantSchedulerConfig):
+        return base_lr
+    assert max_steps is not None  # checked above
+    if isinstance(config, LinearSchedulerConfig):
+        decay_start = max_steps - config.decay_steps
+        if step < decay_start:
+            return base_lr
+        progress = min(1.0, (step + 1 - decay_start) / config.decay_steps)
+        return base_lr - (base_lr - config.min_lr) * progress
+    if isinstance(config, CosineSchedulerConfig):
+        progress = min(1.0, (step + 1 - warmup) / (max_steps - warmup))
+        return config.min_lr + (base_lr - config.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise TypeError(f"unknown scheduler config {type(config).__name__}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: SchedulerConfig, max_steps: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Wrap `lr_at` in a `LambdaLR` (one factor per param group, relative to that group's starting lr).
+
+    The scheduler's state is just its step count, so `load_state_dict` resumes the schedule exactly.
+    Call `scheduler.step()` once after every `optimizer.step()`.
+    """
+    base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    for base_lr in base_lrs:
+        _check_schedule(config, base_lr, max_steps)  # fail now, not at step 0 inside LambdaLR
+
+    def factor_fn(base_lr: float):
+        def factor(step: int) -> float:
+            return lr_at(step, base_lr, config, max_steps) / base_lr
+
+        return factor
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor_fn(base_lr) for base_lr in base_lrs])

@@ -1,0 +1,169 @@
+"""Throughput and model-FLOPs-utilisation (MFU) accounting for the trainer and its benchmark mode.
+
+FLOPs are counted from the model config, not measured: only matmuls count (they dominate and are what
+the peak numbers describe), and only tokens that carry data (padding is work the model does for nothing,
+so it lowers MFU instead of inflating it).
+"""
+
+import math
+import resource
+import statistics
+import sys
+from collections import deque
+
+import torch
+
+# Dense BF16 tensor-core peak per device (no sparsity), keyed by a substring of `torch.cuda.get_device_name()`.
+# The bare "H100" / "H200" keys are the SXM parts; the longer keys win when they match.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "B200": 2.25e15,
+    "L40S": 362e12,
+    "4090": 165e12,
+}
+
+
+def _head_dim(config) -> int:
+    """Per-head width: Qwen3 sets it explicitly (and it need not be hidden / heads), older configs derive it."""
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def matmul_params_per_token(config) -> int:
+    """Weights every token is multiplied by: attention and MLP projections of each layer, plus the LM head.
+
+    Per layer: q (h*H*d), k and v (h*KV*d each), o (H*d*h), gated MLP (3*h*I). Embedding lookups are not
+    matmuls, and tied embeddings still cost a full LM-head matmul, so the LM head counts either way.
+    Norms and biases are left out: they are negligible next to the matmuls.
+    """
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d = _head_dim(config)
+    per_layer = 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * config.intermediate_size
+    return config.num_hidden_layers * per_layer + config.vocab_size * h
+
+
+def flops_per_token(config, seq_len: int) -> int:
+    """Training (forward + backward) matmul FLOPs per token: `6*N + 12*L*H*d*seq_len`.
+
+    `6*N`: each weight costs 2 FLOPs (multiply-add) in the forward and 4 in the backward (grads w.r.t. input
+    and weight). `12*L*H*d*seq_len`: the two attention matmuls (q@k^T and p@v), 2*H*d*seq_len FLOPs each
+    forward per token per layer, times 3 for forward + backward. `seq_len` is the length attended over; the
+    causal mask is ignored (no /2), the usual convention, so MFU stays comparable with other reports.
+    """
+    n = matmul_params_per_token(config)
+    return 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config) * seq_len
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense BF16 FLOP/s of one device from its name; None when unknown (including any CPU)."""
+    matches = [key for key in PEAK_BF16_FLOPS if key.lower() in device_name.lower()]
+    if not matches:
+        return None
+    return PEAK_BF16_FLOPS[max(matches, key=len)]
+
+
+class ThroughputMeter:
+    """Rolling throughput over the last `window` steps; the first step is dropped (compilation, allocator warm-up).
+
+    Feed it global counts (summed over all ranks) so that `mfu` can divide by the world size.
+    """
+
+    def __init__(self, window: int = 10) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._steps: deque[tuple[float, int, int]] = deque(maxlen=window)
+        self._seen = 0
+
+    def update(self, step_seconds: float, real_tokens: int, padded_tokens: int) -> None:
+        """Record one step: wall time, tokens carrying data, and tokens processed including padding."""
+        if step_seconds <= 0:
+            raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
+        if not 0 <= real_tokens <= padded_tokens:
+            raise ValueError(f"need 0 <= real_tokens <= padded_tokens, got {real_tokens} and {padded_tokens}")
+        self._seen += 1
+        if self._seen > 1:
+            self._steps.append((step_seconds, real_tokens, padded_tokens))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Real tokens per second over the window; None until a step after the warm-up one is recorded."""
+        if not self._steps:
+            return None
+        return sum(s[1] for s in self._steps) / sum(s[0] for s in self._steps)
+
+    @property
+    def padding_fraction(self) -> float | None:
+        """Share of processed tokens that were padding, over the window; None before any counted step."""
+        total = sum(s[2] for s in self._steps)
+        if total == 0:
+            return None
+        return (total - sum(s[1] for s in self._steps)) / total
+
+    def mfu(self, flops_per_token: float, peak_flops_per_device: float | None, world_size: int) -> float | None:
+        """Model FLOPs utilisation in percent; None when the device peak is unknown or nothing is measured yet."""
+        tokens_per_s = self.tokens_per_s
+        if peak_flops_per_device is None or tokens_per_s is None:
+            return None
+        return 100.0 * flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process on `device` in GiB: allocated CUDA memory, or max RSS on the host."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return max_rss / 2**30 if sys.platform == "darwin" else max_rss / 2**20
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.4g} ± {std:.2g}"
+
+
+def format_bench_table(rows: list[dict]) -> str:
+    """Plain-text benchmark table, one row per step, then mean ± std over the steps after the first.
+
+    Row keys: `step`, `seconds`, `tokens_per_s`, `padding_fraction` (0..1, shown as %), `mfu` (percent or
+    None) and `peak_memory_gib`. The first row is left out of the summary: it includes warm-up.
+    """
+    header = ("step", "seconds", "tokens/s", "padding %", "MFU %", "peak mem GiB")
+    lines = [
+        (
+            str(row["step"]),
+            f"{row['seconds']:.3f}",
+            f"{row['tokens_per_s']:.1f}",
+            _fmt(None if row["padding_fraction"] is None else 100 * row["padding_fraction"], ".1f"),
+            _fmt(row.get("mfu"), ".2f"),
+            f"{row['peak_memory_gib']:.2f}",
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
+    text = [
+        "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True)) for cells in [header, *lines]
+    ]
+    measured = rows[1:]
+    if not measured:
+        text.append("summary: no steps after the warm-up step")
+    else:
+        mfus = [row["mfu"] for row in measured if row.get("mfu") is not None and not math.isnan(row["mfu"])]
+        text.append(
+            f"summary over {len(measured)} steps after the first: "
+            f"seconds {_mean_std([row['seconds'] for row in measured])}, "
+            f"tokens/s {_mean_std([row['tokens_per_s'] for row in measured])}, "
+            f"MFU % {_mean_std(mfus)}"
+        )
+    return "\n".join(text)

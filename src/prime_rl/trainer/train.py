@@ -1,0 +1,252 @@
+"""`trainer` entry point: the RL training loop, readable top to bottom.
+
+    uv run trainer @ cfg.toml                                   # one process
+    uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.train @ cfg.toml
+
+Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
+forward/backward every row (loss normalised by the step's total loss tokens) -> clip, optimizer and
+scheduler step -> publish `broadcasts/step_n` (pi_n) -> maybe checkpoint.
+"""
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from transformers import AutoConfig, AutoTokenizer
+
+from prime_rl.batch import BatchError, TrainingSample, batch_path, read_batch, validate_batch, wait_for_batch
+from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.trainer.ckpt import CheckpointManager, Progress, resolve_resume_step
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.distributed import World, broadcast_object, init_distributed
+from prime_rl.trainer.logprobs import shifted_logprobs
+from prime_rl.trainer.loss import compute_loss
+from prime_rl.trainer.model import DTYPES, load_model, shard_model
+from prime_rl.trainer.optim import build_optimizer, build_scheduler
+from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
+from prime_rl.trainer.perf import (
+    ThroughputMeter,
+    flops_per_token,
+    format_bench_table,
+    peak_flops,
+    peak_memory_gib,
+)
+from prime_rl.trainer.weights import broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir, STABLE
+from prime_rl.utils.logging import setup_logging
+
+
+def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
+    """Random rows for `--bench`: full-length (or variable-length) samples, prompt = first eighth."""
+    rng = random.Random(config.seed * 100_003 + step)
+    samples = []
+    for _ in range(config.bench.samples):
+        n = rng.randint(max(2, config.seq_len // 8), config.seq_len) if config.bench.variable_length else config.seq_len
+        prompt = max(1, n // 8)
+        samples.append(
+            TrainingSample(
+                token_ids=[rng.randrange(vocab_size) for _ in range(n)],
+                loss_mask=[False] * prompt + [True] * (n - prompt),
+                inference_logprobs=[0.0] * prompt + [-math.log(vocab_size)] * (n - prompt),
+                advantages=[rng.gauss(0, 1)] * n,
+            )
+        )
+    return samples
+
+
+def next_rows(config: TrainerConfig, world: World, step: int, vocab_size: int) -> tuple[list[PackedRow], dict]:
+    """Rank 0 reads, validates and packs batch `step`; every rank gets its rows and the step totals.
+
+    A bad batch fails on every rank with rank 0's message, instead of leaving the others blocked.
+    """
+    payload: dict = {}
+    if world.is_main:
+        try:
+            if config.bench is not None:
+                samples = fake_samples(config, vocab_size, step)
+            else:
+                path = wait_for_batch(batch_path(config.output_dir, step), timeout=config.batch_timeout)
+                batch = read_batch(path)
+                if batch.step != step:
+                    raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
+                validate_batch(batch, path, vocab_size, config.seq_len)
+                samples = batch.samples
+            rows = pack_samples(samples, config.seq_len)
+            payload = {
+                "shards": shard_rows(rows, world.world_size),
+                "loss_tokens": sum(int(s.loss_mask.count(True)) for s in samples),
+                "tokens": sum(len(s.token_ids) for s in samples),
+                "samples": len(samples),
+            }
+        except (BatchError, TimeoutError) as e:
+            payload = {"error": str(e)}
+    payload = broadcast_object(payload, world)
+    if "error" in payload:
+        raise BatchError(payload["error"])
+    return payload["shards"][world.rank], payload
+
+
+def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
+    """Forward/backward every row of this rank; returns summed statistics (not yet reduced across ranks)."""
+    totals: dict[str, float] = {"loss": 0.0, "entropy_sum": 0.0, "padded_tokens": 0}
+    for row in rows:
+        row = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(row).items()}
+        # No attention mask and no KV cache: transformers then derives a block-diagonal mask (or varlen
+        # flash attention) from the position ids restarting at 0, so packed samples never see each other.
+        ids, pos = row["input_ids"][None], row["position_ids"][None]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logp, entropy = shifted_logprobs(logits, row["input_ids"], row["position_ids"], row["temperatures"])
+        del logits
+        loss, stats = compute_loss(
+            logp, row["inference_logprobs"], row["advantages"], row["loss_mask"], row["sample_ids"],
+            row["num_samples"], loss_scale, config.loss,
+        )  # fmt: skip
+        loss.backward()
+        totals["loss"] += loss.item()
+        totals["entropy_sum"] += entropy[row["loss_mask"]].sum().item()
+        totals["padded_tokens"] += len(row["input_ids"])
+        for key, value in stats.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def all_reduce_sums(totals: dict[str, float], world: World) -> dict[str, float]:
+    keys = sorted(totals)
+    tensor = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=world.device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, _ = load_config(TrainerConfig, "trainer", argv)
+    world = init_distributed()
+    setup_logging("trainer", config.log.level, config.output_dir / "logs" if world.is_main else None)
+    if not world.is_main:
+        logger.remove()  # one console, rank 0's
+        logger.add(lambda m: None)
+    if world.is_main:
+        write_resolved_config(config, "trainer")
+    try:
+        run(config, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(config: TrainerConfig, world: World) -> None:
+    torch.manual_seed(config.seed)
+    arch = AutoConfig.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    publish_dtype = arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    model = shard_model(load_model(config.model, config.seed), config.model, world)
+    model.config.dtype = publish_dtype
+    vocab_size = model.config.vocab_size
+    optimizer = build_optimizer(model.parameters(), config.optim)
+    scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
+    ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main) if config.ckpt else None
+    progress = Progress()
+    if ckpt is not None and config.ckpt.resume_step is not None:
+        step = resolve_resume_step(config.output_dir, config.ckpt.resume_step)
+        progress = ckpt.load(step, model, optimizer, scheduler)
+        logger.info(f"resumed from step {progress.step} ({progress.tokens} tokens, {progress.samples} samples)")
+
+    n_flops = flops_per_token(model.config, config.seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(world.device)) if world.device.type == "cuda" else None
+    meter = ThroughputMeter()
+    bench_rows: list[dict] = []
+    max_steps = config.bench.steps if config.bench else config.max_steps
+    logger.info(
+        f"training {config.model.name} on {world.world_size} rank(s) ({world.device.type}), "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, steps {progress.step + 1}..{max_steps or 'inf'}"
+    )
+
+    while max_steps is None or progress.step < max_steps:
+        step = progress.step + 1
+        t0 = time.perf_counter()
+        rows, info = next_rows(config, world, step, vocab_size)
+        t_data = time.perf_counter() - t0
+        loss_scale = max(info["loss_tokens"], 1)
+
+        model.train()
+        totals = train_step(model, rows, loss_scale, config, world.device)
+        max_norm = config.optim.max_norm if config.optim.max_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        progress = Progress(progress.step + 1, progress.tokens + info["tokens"], progress.samples + info["samples"])
+        sums = all_reduce_sums(totals, world)
+        t_train = time.perf_counter() - t0 - t_data
+
+        if config.bench is None:
+            t_pub = time.perf_counter()
+            state = full_state_dict(model, publish_dtype)
+            if world.is_main:
+                save_hf_dir(state, model.config, tokenizer, broadcast_dir(config.output_dir, step), marker=STABLE)
+                keep = set(range(0, step + 1, config.ckpt.interval)) if config.ckpt else set()
+                prune_broadcasts(config.output_dir, step, config.max_async_level, keep)
+            del state
+            dist.barrier()
+            t_pub = time.perf_counter() - t_pub
+            if ckpt is not None and (step % config.ckpt.interval == 0 or step == max_steps):
+                ckpt.save(step, model, optimizer, scheduler, progress)
+        else:
+            t_pub = 0.0
+
+        meter.update(t_data + t_train, info["tokens"], int(sums["padded_tokens"]))
+        metrics = step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub)
+        if world.is_main:
+            log_step(step, metrics, config.output_dir)
+            bench_rows.append({"step": step, "seconds": t_data + t_train, **metrics})
+    if ckpt is not None:
+        ckpt.wait()
+    if config.bench is not None and world.is_main:
+        print(format_bench_table(bench_rows))
+
+
+def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub) -> dict[str, float]:
+    tokens = max(sums.get("loss_tokens", info["loss_tokens"]), 1)
+    metrics = {
+        "loss": sums["loss"],
+        "entropy": sums["entropy_sum"] / tokens,
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "tokens": info["tokens"],
+        "samples": info["samples"],
+        "padding_fraction": 1 - info["tokens"] / max(sums["padded_tokens"], 1),
+        "tokens_per_s": meter.tokens_per_s or info["tokens"] / max(t_data + t_train, 1e-9),
+        "mfu": meter.mfu(n_flops, peak, world.world_size) if peak else None,
+        "peak_memory_gib": peak_memory_gib(world.device),
+        "time_data": t_data,
+        "time_train": t_train,
+        "time_publish": t_pub,
+    }
+    for key, value in sums.items():
+        if key.endswith("_sum") and key != "entropy_sum":
+            metrics[key.removesuffix("_sum")] = value / tokens
+        elif key.startswith(("masked", "clipped")):
+            metrics[f"{key}_fraction"] = value / tokens
+    return metrics
+
+
+def log_step(step: int, metrics: dict, output_dir: Path) -> None:
+    mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
+    logger.info(
+        f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
+        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | grad_norm {metrics['grad_norm']:.3f} | "
+        f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | "
+        f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
+        f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
+    )
+    with open(Path(output_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"process": "trainer", "step": step, **metrics}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Publish the trainer's weights as a Hugging Face directory the inference server can load.
+
+`broadcasts/step_n/` = safetensors (+ config, generation config, tokenizer), written to a temporary
+name, renamed into place, then marked `STABLE`: a reader that sees `STABLE` sees a complete directory.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+STABLE = "STABLE"
+
+
+def broadcast_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "broadcasts" / f"step_{step}"
+
+
+def full_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Unsharded weights on rank 0's CPU (a collective: every rank must call it); empty on other ranks."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # stored once, as the embedding (what from_pretrained expects)
+    return {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}
+
+
+def save_hf_dir(state: dict[str, torch.Tensor], model_config, tokenizer, target: Path, marker: str | None = None) -> Path:
+    """Write `state` as an HF model directory at `target`, atomically (tmp dir + rename, then `marker`)."""
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB")
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    if marker:
+        (target / marker).touch()
+    return target
+
+
+def prune_broadcasts(output_dir: Path, current_step: int, max_async_level: int, keep: set[int]) -> list[int]:
+    """Delete published steps inference can no longer need: older than `current_step - max_async_level`.
+
+    The orchestrator may still be moving servers to any policy the async bound allows (>= n-1-k for batch
+    n, and batch current_step+1 is the next); steps in `keep` (checkpoint steps, needed on resume) stay.
+    """
+    oldest_needed = current_step - max_async_level
+    removed = []
+    root = Path(output_dir) / "broadcasts"
+    for path in root.glob("step_*"):
+        step = int(path.name.split("_")[1])
+        if step < oldest_needed and step not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(step)
+    return sorted(removed)

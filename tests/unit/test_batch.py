@@ -1,0 +1,173 @@
+"""The orchestrator -> trainer batch file: atomic writes, typed reads, validation, waiting."""
+
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from prime_rl.batch import (
+    BatchError,
+    TrainingBatch,
+    TrainingSample,
+    batch_path,
+    read_batch,
+    validate_batch,
+    wait_for_batch,
+    write_batch,
+)
+
+VOCAB = 100
+SEQ_LEN = 16
+
+
+def sample(n: int = 4, **overrides) -> TrainingSample:
+    fields = dict(
+        token_ids=list(range(1, n + 1)),
+        loss_mask=[i >= n // 2 for i in range(n)],
+        inference_logprobs=[-0.5 if i >= n // 2 else 0.0 for i in range(n)],
+        advantages=[0.25] * n,
+        temperature=0.7,
+        policy_versions=[3, 4],
+    )
+    fields.update(overrides)
+    return TrainingSample(**fields)
+
+
+def make_batch(*samples: TrainingSample, step: int = 5) -> TrainingBatch:
+    return TrainingBatch(step=step, samples=list(samples) or [sample(), sample(6)])
+
+
+def test_batch_path(tmp_path: Path):
+    assert batch_path(tmp_path, 7) == tmp_path / "rollouts" / "step_7" / "batch.bin"
+
+
+def test_round_trip_and_no_temp_file_left(tmp_path: Path):
+    batch = make_batch(sample(), sample(7, temperature=1.0, policy_versions=[]))
+    path = batch_path(tmp_path, 5)
+    write_batch(batch, path)
+    assert read_batch(path) == batch
+    assert [p.name for p in path.parent.iterdir()] == ["batch.bin"]
+    assert not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_overwrite_is_atomic_replace(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    write_batch(make_batch(step=1), path)
+    write_batch(make_batch(step=2), path)
+    assert read_batch(path).step == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["batch.bin"]
+
+
+def test_defaults_apply_when_fields_absent(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    raw = {
+        "step": 0,
+        "samples": [{"token_ids": [1], "loss_mask": [True], "inference_logprobs": [-1.0], "advantages": [1]}],
+    }
+    path.write_bytes(msgspec.msgpack.encode(raw))
+    s = read_batch(path).samples[0]
+    assert (s.temperature, s.policy_versions, s.advantages) == (1.0, [], [1.0])
+
+
+def _assert_clean_batch_error(path: Path) -> BatchError:
+    with pytest.raises(BatchError) as info:
+        read_batch(path)
+    assert str(path) in str(info.value)
+    assert "corrupt or truncated batch file" in str(info.value)
+    assert not isinstance(info.value, msgspec.MsgspecError)
+    return info.value
+
+
+def test_truncated_file(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    write_batch(make_batch(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _assert_clean_batch_error(path)
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1\x00garbage", bytes(range(256)), b"\x93\x01\x02"])
+def test_garbage_file(tmp_path: Path, data: bytes):
+    path = tmp_path / "batch.bin"
+    path.write_bytes(data)
+    _assert_clean_batch_error(path)
+
+
+def test_wrong_typed_field(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    good = msgspec.to_builtins(make_batch(sample(), sample()))
+    good["samples"][1]["token_ids"][2] = "oops"
+    path.write_bytes(msgspec.msgpack.encode(good))
+    err = _assert_clean_batch_error(path)
+    assert "samples[1].token_ids[2]" in str(err)
+
+
+def test_missing_file_is_not_a_batch_error(tmp_path: Path):
+    with pytest.raises(FileNotFoundError):
+        read_batch(tmp_path / "nope.bin")
+
+
+def test_valid_batch_passes(tmp_path: Path):
+    validate_batch(make_batch(sample(), sample(SEQ_LEN)), tmp_path, VOCAB, SEQ_LEN)
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (sample(loss_mask=[True]), "unequal"),
+        (sample(inference_logprobs=[0.0] * 5), "inference_logprobs has 5"),
+        (sample(advantages=[]), "advantages has 0"),
+        (sample(0), "empty"),
+        (sample(token_ids=[1, 2, -1, 3]), "token id -1 at position 2"),
+        (sample(token_ids=[1, VOCAB, 2, 3]), f"token id {VOCAB} at position 1"),
+        (sample(SEQ_LEN + 1), f"has {SEQ_LEN + 1} tokens, more than seq_len={SEQ_LEN}"),
+        (sample(inference_logprobs=[0.0, 0.0, float("nan"), -1.0]), "non-finite inference_logprobs"),
+        (sample(advantages=[0.0, float("inf"), 0.0, 0.0]), "non-finite advantages value inf at position 1"),
+        (sample(temperature=0.0), "temperature"),
+        (sample(temperature=-1.0), "temperature"),
+    ],
+)
+def test_validate_batch_names_path_sample_and_problem(tmp_path: Path, bad: TrainingSample, needle: str):
+    path = tmp_path / "batch.bin"
+    with pytest.raises(BatchError) as info:
+        validate_batch(make_batch(sample(), sample(), bad), path, VOCAB, SEQ_LEN)
+    msg = str(info.value)
+    assert str(path) in msg and "sample 2 " in msg and needle in msg, msg
+
+
+def test_wait_for_batch_returns_once_written(tmp_path: Path):
+    path = batch_path(tmp_path, 1)
+    writer = threading.Timer(0.3, write_batch, args=(make_batch(), path))
+    start = time.monotonic()
+    writer.start()
+    try:
+        assert wait_for_batch(path, timeout=5) == path
+    finally:
+        writer.join()
+    assert 0.25 <= time.monotonic() - start < 2.0
+    assert read_batch(path) == make_batch()
+
+
+def test_wait_for_batch_times_out(tmp_path: Path):
+    path = tmp_path / "never.bin"
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="never.bin"):
+        wait_for_batch(path, timeout=0.3)
+    assert 0.25 <= time.monotonic() - start < 1.0
+
+
+def test_wait_for_batch_does_not_busy_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    calls = 0
+    real_exists = Path.exists
+
+    def counting_exists(self: Path, *args, **kwargs) -> bool:
+        nonlocal calls
+        calls += 1
+        return real_exists(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", counting_exists)
+    with pytest.raises(TimeoutError):
+        wait_for_batch(tmp_path / "never.bin", timeout=1.0)
+    assert 2 <= calls < 30

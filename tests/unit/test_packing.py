@@ -1,0 +1,145 @@
+"""First-fit-decreasing packing into rows and equal-count, token-balanced sharding over ranks."""
+
+import pytest
+import torch
+
+from prime_rl.batch import TrainingSample
+from prime_rl.trainer.packing import PackedRow, first_fit_decreasing, pack_samples, padding_row, shard_rows
+
+
+def make_sample(n: int, base: int = 0, temperature: float = 1.0) -> TrainingSample:
+    """A sample whose values encode (base, position) so misplaced tokens are easy to spot."""
+    return TrainingSample(
+        token_ids=[base + i for i in range(n)],
+        loss_mask=[i % 2 == 1 for i in range(n)],
+        inference_logprobs=[-(base + i) / 100 if i % 2 == 1 else 0.0 for i in range(n)],
+        advantages=[base / 10] * n,
+        temperature=temperature,
+    )
+
+
+def test_ffd_hand_derived():
+    # Descending order: 2(8) 4(7) 0(5) 1(3) 3(2) 5(1).
+    # 8 -> bin0 (room 2); 7 -> bin1 (room 3); 5 -> bin2 (room 5); 3 -> bin1 (room 0); 2 -> bin0 (room 0); 1 -> bin2.
+    assert first_fit_decreasing([5, 3, 8, 2, 7, 1], 10) == [[2, 3], [4, 1], [0, 5]]
+
+
+def test_ffd_ties_are_broken_by_index():
+    # All equal: index order; three 4s per bin of 12.
+    assert first_fit_decreasing([4] * 7, 12) == [[0, 1, 2], [3, 4, 5], [6]]
+    # Exactly full bins and an item equal to capacity.
+    assert first_fit_decreasing([6, 10, 4, 6], 10) == [[1], [0, 2], [3]]
+
+
+def test_ffd_empty_and_errors():
+    assert first_fit_decreasing([], 10) == []
+    with pytest.raises(ValueError, match="item 1 has length 11"):
+        first_fit_decreasing([3, 11, 2], 10)
+    with pytest.raises(ValueError):
+        first_fit_decreasing([1], 0)
+
+
+def test_pack_samples_invariants():
+    lengths = [5, 3, 8, 2, 7, 1, 10, 4]
+    samples = [make_sample(n, base=100 * k, temperature=0.5 + k / 10) for k, n in enumerate(lengths)]
+    rows = pack_samples(samples, seq_len=10)
+    seen = sorted(i for row in rows for i in row.sample_indices)
+    assert seen == list(range(len(samples)))
+    for row in rows:
+        assert row.num_tokens <= 10
+        assert row.num_samples == len(row.sample_indices)
+        for tensor in (row.position_ids, row.loss_mask, row.inference_logprobs, row.advantages, row.temperatures):
+            assert tensor.shape == row.input_ids.shape
+        assert row.input_ids.dtype == row.position_ids.dtype == row.sample_ids.dtype == torch.long
+        assert row.loss_mask.dtype == torch.bool
+        assert row.inference_logprobs.dtype == row.advantages.dtype == row.temperatures.dtype == torch.float32
+        expected_positions = torch.cat([torch.arange(len(samples[i].token_ids)) for i in row.sample_indices])
+        assert torch.equal(row.position_ids, expected_positions)
+        assert row.num_loss_tokens == sum(sum(samples[i].loss_mask) for i in row.sample_indices)
+    assert sum(row.num_tokens for row in rows) == sum(lengths)
+
+
+def test_pack_samples_row_element_by_element():
+    samples = [make_sample(3, base=10, temperature=0.5), make_sample(6, base=20, temperature=1.5)]
+    (row,) = pack_samples(samples, seq_len=10)
+    assert row.sample_indices == [1, 0]  # longest first
+    assert row.num_samples == 2
+    assert row.input_ids.tolist() == [20, 21, 22, 23, 24, 25, 10, 11, 12]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert row.sample_ids.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1]
+    assert row.loss_mask.tolist() == [False, True, False, True, False, True, False, True, False]
+    assert row.inference_logprobs.tolist() == pytest.approx([0, -0.21, 0, -0.23, 0, -0.25, 0, -0.11, 0])
+    assert row.advantages.tolist() == pytest.approx([2.0] * 6 + [1.0] * 3)
+    assert row.temperatures.tolist() == [1.5] * 6 + [0.5] * 3
+    assert row.num_tokens == 9 and row.num_loss_tokens == 4
+
+
+def test_pack_samples_rejects_oversized_sample():
+    with pytest.raises(ValueError):
+        pack_samples([make_sample(4), make_sample(11)], seq_len=10)
+
+
+def test_padding_row():
+    row = padding_row(pad_token_id=7, length=3)
+    assert row.input_ids.tolist() == [7, 7, 7]
+    assert row.position_ids.tolist() == [0, 1, 2]
+    assert row.num_loss_tokens == 0 and row.num_samples == 1 and row.sample_indices == []
+    assert row.advantages.abs().sum() == 0 and row.inference_logprobs.abs().sum() == 0
+    assert row.temperatures.tolist() == [1.0] * 3 and row.sample_ids.tolist() == [0, 0, 0]
+
+
+def rows_of(lengths: list[int]) -> list[PackedRow]:
+    """One row per length (each sample alone in its row), sample index = position in `lengths`."""
+    rows = []
+    for k, n in enumerate(lengths):
+        (row,) = pack_samples([make_sample(n, base=k)], seq_len=n)
+        row.sample_indices = [k]
+        rows.append(row)
+    return rows
+
+
+def test_shard_rows_equal_counts_with_padding():
+    rows = rows_of([9, 3, 7, 2, 8, 8, 1, 4, 6, 5, 2])
+    shards = shard_rows(rows, world_size=4)
+    assert [len(shard) for shard in shards] == [3, 3, 3, 3]
+    real = [row for shard in shards for row in shard if row.sample_indices]
+    padding = [row for shard in shards for row in shard if not row.sample_indices]
+    assert sorted(id(r) for r in real) == sorted(id(r) for r in rows)
+    assert len(padding) == 1 and padding[0].num_loss_tokens == 0
+    assert all(sum(1 for row in shard if not row.sample_indices) <= 1 for shard in shards)
+
+
+def test_shard_rows_world_size_one_keeps_everything_in_order():
+    rows = rows_of([3, 9, 1])
+    assert [[id(r) for r in shard] for shard in shard_rows(rows, 1)] == [[id(r) for r in rows]]
+    assert shard_rows([], 2) == [[], []]
+    with pytest.raises(ValueError):
+        shard_rows(rows, 0)
+
+
+def test_shard_rows_is_deterministic():
+    rows = rows_of([5, 5, 3, 3, 8, 1, 1])
+    first = [[r.sample_indices for r in shard] for shard in shard_rows(rows, 3)]
+    second = [[r.sample_indices for r in shard] for shard in shard_rows(rows, 3)]
+    assert first == second
+
+
+def test_shard_rows_balances_better_than_round_robin():
+    lengths = [100, 10, 90, 10, 80, 10, 70, 10]
+    rows = rows_of(lengths)
+
+    def spread(shards: list[list[PackedRow]]) -> int:
+        loads = [sum(r.num_tokens for r in shard if r.sample_indices) for shard in shards]
+        return max(loads) - min(loads)
+
+    round_robin = [rows[r::2] for r in range(2)]
+    assert spread(round_robin) == 300
+    shards = shard_rows(rows, 2)
+    assert [len(s) for s in shards] == [4, 4]
+    assert spread(shards) == 0
+
+
+def test_pack_samples_rejects_unequal_lists():
+    bad = TrainingSample(token_ids=[1, 2, 3], loss_mask=[True], inference_logprobs=[0.0] * 3, advantages=[0.0] * 3)
+    with pytest.raises(ValueError, match="unequal"):
+        pack_samples([make_sample(2), bad], seq_len=10)
