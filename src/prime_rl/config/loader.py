@@ -437,6 +437,29 @@ def format_validation_error(root: type[BaseModel], error: ValidationError, sourc
 # ---------------------------------------------------------------------------------------------
 
 
+def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
+    """`--optim.lr 0.1` overrides the default optimizer's lr: give partial tables of a tagged union
+    (e.g. `optim: AdamWConfig | SGDConfig`) the tag of the field's default when they do not name one."""
+    for name, info in cls.model_fields.items():
+        value = data.get(name)
+        if not isinstance(value, dict):
+            continue
+        sections = _model_classes(info.annotation)
+        default = info.get_default(call_default_factory=True)
+        if len(sections) > 1 and isinstance(default, BaseModel):
+            tag = next((k for k in ("type",) if k in type(default).model_fields), None)
+            if tag is not None and tag not in value:
+                value = {tag: getattr(default, tag), **value}
+        if len(sections) == 1:
+            value = fill_discriminators(sections[0], value)
+        elif tag_value := value.get("type"):
+            match = [m for m in sections if m.model_fields.get("type") and m.model_fields["type"].default == tag_value]
+            if match:
+                value = fill_discriminators(match[0], value)
+        data = {**data, name: value}
+    return data
+
+
 def build_config(cls: type[C], parsed: ParsedArgs) -> C:
     """Merge the layers of `parsed` (plus the environment) and validate them into `cls`."""
     data: dict = {}
@@ -448,7 +471,7 @@ def build_config(cls: type[C], parsed: ParsedArgs) -> C:
             file_data = {key: file_data}
         data = deep_merge(data, file_data)
         sources.update({scope + p: s for p, s in file_sources.items()})
-    data = deep_merge(data, parsed.cli)
+    data = fill_discriminators(cls, deep_merge(data, parsed.cli))
     sources.update(parsed.cli_sources)
     try:
         return cls(**data)

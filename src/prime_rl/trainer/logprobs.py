@@ -3,8 +3,9 @@
 import torch
 
 
-def shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logprob and entropy of token t under logits[t-1] / T_t (fp32), one row of shape [L, V].
 
     The first token of each sample (position 0) has no prediction inside its sample: it gets 0 for both

@@ -26,8 +26,8 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object, init_distributed
 from prime_rl.trainer.logprobs import shifted_logprobs
 from prime_rl.trainer.loss import compute_loss
-from prime_rl.trainer.model import DTYPES, load_model, shard_model
-from prime_rl.trainer.optim import build_optimizer, build_scheduler
+from prime_rl.trainer.model import load_model, shard_model
+from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
 from prime_rl.trainer.perf import (
     ThroughputMeter,
@@ -36,7 +36,7 @@ from prime_rl.trainer.perf import (
     peak_flops,
     peak_memory_gib,
 )
-from prime_rl.trainer.weights import broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir, STABLE
+from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
 from prime_rl.utils.logging import setup_logging
 
 
@@ -92,7 +92,12 @@ def next_rows(config: TrainerConfig, world: World, step: int, vocab_size: int) -
 
 def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
     """Forward/backward every row of this rank; returns summed statistics (not yet reduced across ranks)."""
-    totals: dict[str, float] = {"loss": 0.0, "entropy_sum": 0.0, "padded_tokens": 0}
+    totals: dict[str, torch.Tensor] = {}
+
+    def add(key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        totals[key] = totals[key] + value if key in totals else value
+
     for row in rows:
         row = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(row).items()}
         # No attention mask and no KV cache: transformers then derives a block-diagonal mask (or varlen
@@ -106,12 +111,12 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerC
             row["num_samples"], loss_scale, config.loss,
         )  # fmt: skip
         loss.backward()
-        totals["loss"] += loss.item()
-        totals["entropy_sum"] += entropy[row["loss_mask"]].sum().item()
-        totals["padded_tokens"] += len(row["input_ids"])
+        add("loss", loss)
+        add("entropy_sum", entropy[row["loss_mask"]].sum())
+        add("processed_tokens", torch.tensor(len(row["input_ids"])))
         for key, value in stats.items():
-            totals[key] = totals.get(key, 0.0) + float(value)
-    return totals
+            add(key, value)
+    return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per row
 
 
 def all_reduce_sums(totals: dict[str, float], world: World) -> dict[str, float]:
@@ -132,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         write_resolved_config(config, "trainer")
     try:
         run(config, world)
+    except (BatchError, FileNotFoundError) as e:
+        # Bad or missing input: every rank raises the same message; print it once, without a traceback.
+        if world.is_main:
+            logger.error(f"trainer stopped: {e}")
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -146,7 +156,8 @@ def run(config: TrainerConfig, world: World) -> None:
     model.config.dtype = publish_dtype
     vocab_size = model.config.vocab_size
     optimizer = build_optimizer(model.parameters(), config.optim)
-    scheduler = build_scheduler(optimizer, config.scheduler, config.max_steps)
+    max_steps = config.bench.steps if config.bench else config.max_steps
+    scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
     ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main) if config.ckpt else None
     progress = Progress()
     if ckpt is not None and config.ckpt.resume_step is not None:
@@ -158,7 +169,6 @@ def run(config: TrainerConfig, world: World) -> None:
     peak = peak_flops(torch.cuda.get_device_name(world.device)) if world.device.type == "cuda" else None
     meter = ThroughputMeter()
     bench_rows: list[dict] = []
-    max_steps = config.bench.steps if config.bench else config.max_steps
     logger.info(
         f"training {config.model.name} on {world.world_size} rank(s) ({world.device.type}), "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, steps {progress.step + 1}..{max_steps or 'inf'}"
@@ -173,9 +183,7 @@ def run(config: TrainerConfig, world: World) -> None:
 
         model.train()
         totals = train_step(model, rows, loss_scale, config, world.device)
-        max_norm = config.optim.max_norm if config.optim.max_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm = clip_grad_norm(model.parameters(), config.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -199,7 +207,7 @@ def run(config: TrainerConfig, world: World) -> None:
         else:
             t_pub = 0.0
 
-        meter.update(t_data + t_train, info["tokens"], int(sums["padded_tokens"]))
+        meter.update(t_data + t_train, info["tokens"], int(sums["processed_tokens"]))
         metrics = step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub)
         if world.is_main:
             log_step(step, metrics, config.output_dir)
@@ -219,7 +227,7 @@ def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data,
         "lr": lr,
         "tokens": info["tokens"],
         "samples": info["samples"],
-        "padding_fraction": 1 - info["tokens"] / max(sums["padded_tokens"], 1),
+        "padding_fraction": 1 - info["tokens"] / max(sums["processed_tokens"], 1),
         "tokens_per_s": meter.tokens_per_s or info["tokens"] / max(t_data + t_train, 1e-9),
         "mfu": meter.mfu(n_flops, peak, world.world_size) if peak else None,
         "peak_memory_gib": peak_memory_gib(world.device),
@@ -227,11 +235,12 @@ def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data,
         "time_train": t_train,
         "time_publish": t_pub,
     }
-    for key, value in sums.items():
-        if key.endswith("_sum") and key != "entropy_sum":
-            metrics[key.removesuffix("_sum")] = value / tokens
-        elif key.startswith(("masked", "clipped")):
-            metrics[f"{key}_fraction"] = value / tokens
+    samples = max(sums.get("samples", 0), 1)
+    metrics["mismatch_kl"] = sums.get("mismatch_kl_sum", 0.0) / tokens
+    for key in ("masked_tokens", "masked_low", "masked_high", "clipped_tokens"):
+        metrics[key.removesuffix("_tokens") + "_fraction"] = sums.get(key, 0.0) / tokens
+    for key in ("geo_masked_samples", "sequence_masked_samples"):
+        metrics[key.removesuffix("_samples") + "_fraction"] = sums.get(key, 0.0) / samples
     return metrics
 
 

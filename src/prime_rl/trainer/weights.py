@@ -30,13 +30,17 @@ def full_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {name: tensor.to(dtype).contiguous() for name, tensor in state.items()}
 
 
-def save_hf_dir(state: dict[str, torch.Tensor], model_config, tokenizer, target: Path, marker: str | None = None) -> Path:
+def save_hf_dir(
+    state: dict[str, torch.Tensor], model_config, tokenizer, target: Path, marker: str | None = None
+) -> Path:
     """Write `state` as an HF model directory at `target`, atomically (tmp dir + rename, then `marker`)."""
     target = Path(target)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB")
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB"
+    )
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
     if split.is_sharded:
