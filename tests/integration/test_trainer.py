@@ -76,7 +76,7 @@ def published(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
     out = tmp_path / "run"
     write_batches(out, range(1, 4))
-    trainer(model_dir, out, "--max-steps", "3", "--ckpt", "--ckpt.interval", "1", "--max-async-level", "5")
+    trainer(model_dir, out, "--max-steps", "3", "--ckpt", "--ckpt.interval", "1", "--ckpt.save-async", "--max-async-level", "5")
     base = load_file(model_dir / "model.safetensors")
     previous = base
     for step in (1, 2, 3):
@@ -101,7 +101,8 @@ def test_resume_matches_straight_run_and_reshards(model_dir, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     for out in (straight, split):
         write_batches(out, range(1, 5))
-    trainer(model_dir, straight, "--max-steps", "4")
+    # The straight run also recomputes activations (--model.ac): recomputation must not change a single bit.
+    trainer(model_dir, straight, "--max-steps", "4", "--model.ac")
     trainer(model_dir, split, "--max-steps", "2", "--ckpt", "--ckpt.interval", "2")
     # A crash during a later save leaves a checkpoint without its marker: resume must skip it.
     broken = split / "checkpoints" / "step_3" / "trainer"

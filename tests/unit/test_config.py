@@ -229,3 +229,15 @@ def test_unrelated_prime_env_vars_are_ignored(monkeypatch, capsys):
 def test_shipped_inference_configs_parse(path, capsys):
     cfg = dry_run(InferenceConfig, ["@", str(path)], capsys)
     assert cfg["model"]["name"]
+
+
+def test_partial_table_of_a_tagged_union_keeps_the_default_type(capsys):
+    from prime_rl.trainer.config import TrainerConfig
+
+    cfg = dry_run(TrainerConfig, ["--optim.lr", "0.5", "--scheduler.warmup-steps", "3"], capsys)
+    assert cfg["optim"]["type"] == "adamw" and cfg["optim"]["lr"] == 0.5
+    assert cfg["scheduler"] == {"type": "constant", "warmup_steps": 3}
+    cfg = dry_run(TrainerConfig, ["--optim.type", "sgd", "--optim.momentum", "0.5"], capsys)
+    assert cfg["optim"]["type"] == "sgd" and cfg["optim"]["momentum"] == 0.5
+    err = fails(TrainerConfig, ["--optim.type", "sgd", "--optim.betas", "0.1,0.2"], capsys)
+    assert "optim.betas" in err
