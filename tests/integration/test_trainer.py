@@ -76,7 +76,18 @@ def published(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
     out = tmp_path / "run"
     write_batches(out, range(1, 4))
-    trainer(model_dir, out, "--max-steps", "3", "--ckpt", "--ckpt.interval", "1", "--ckpt.save-async", "--max-async-level", "5")
+    trainer(
+        model_dir,
+        out,
+        "--max-steps",
+        "3",
+        "--ckpt",
+        "--ckpt.interval",
+        "1",
+        "--ckpt.save-async",
+        "--max-async-level",
+        "5",
+    )
     base = load_file(model_dir / "model.safetensors")
     previous = base
     for step in (1, 2, 3):

@@ -225,9 +225,17 @@ def test_unrelated_prime_env_vars_are_ignored(monkeypatch, capsys):
     assert dry_run(InferenceConfig, [], capsys)["model"]["name"] == "Qwen/Qwen3-0.6B"
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).parents[2].glob("configs/inference/*.toml")), ids=str)
-def test_shipped_inference_configs_parse(path, capsys):
-    cfg = dry_run(InferenceConfig, ["@", str(path)], capsys)
+def _shipped_configs():
+    from prime_rl.trainer.config import TrainerConfig
+
+    root = Path(__file__).parents[2] / "configs"
+    classes = {"inference": InferenceConfig, "trainer": TrainerConfig}
+    return [(p, classes[p.parent.name]) for p in sorted(root.glob("*/*.toml"))]
+
+
+@pytest.mark.parametrize(("path", "cls"), _shipped_configs(), ids=lambda x: getattr(x, "name", ""))
+def test_shipped_configs_parse(path, cls, capsys):
+    cfg = dry_run(cls, ["@", str(path)], capsys)
     assert cfg["model"]["name"]
 
 
