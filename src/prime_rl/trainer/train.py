@@ -84,10 +84,13 @@ def next_rows(config: TrainerConfig, world: World, step: int, vocab_size: int) -
             }
         except (BatchError, TimeoutError) as e:
             payload = {"error": str(e)}
-    payload = broadcast_object(payload, world)
+    shards = payload.pop("shards", None)
+    payload = broadcast_object(payload, world)  # the totals, or the error
     if "error" in payload:
         raise BatchError(payload["error"])
-    return payload["shards"][world.rank], payload
+    mine: list = [None]
+    dist.scatter_object_list(mine, shards, src=0)  # each rank receives only its own rows
+    return mine[0], payload
 
 
 def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
