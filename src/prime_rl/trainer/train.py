@@ -210,11 +210,12 @@ def run(config: TrainerConfig, world: World) -> None:
         else:
             t_pub = 0.0
 
-        meter.update(t_data + t_train, info["tokens"], int(sums["processed_tokens"]))
+        # Throughput and MFU measure the training work; waiting for the orchestrator is reported separately.
+        meter.update(t_train, info["tokens"], int(sums["processed_tokens"]))
         metrics = step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub)
         if world.is_main:
             log_step(step, metrics, config.output_dir)
-            bench_rows.append({"step": step, "seconds": t_data + t_train, **metrics})
+            bench_rows.append({"step": step, "seconds": t_train, **metrics})
     if ckpt is not None:
         ckpt.wait()
     if config.bench is not None and world.is_main:
@@ -231,7 +232,7 @@ def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data,
         "tokens": info["tokens"],
         "samples": info["samples"],
         "padding_fraction": 1 - info["tokens"] / max(sums["processed_tokens"], 1),
-        "tokens_per_s": meter.tokens_per_s or info["tokens"] / max(t_data + t_train, 1e-9),
+        "tokens_per_s": meter.tokens_per_s or info["tokens"] / max(t_train, 1e-9),
         "mfu": meter.mfu(n_flops, peak, world.world_size) if peak else None,
         "peak_memory_gib": peak_memory_gib(world.device),
         "time_data": t_data,
