@@ -176,3 +176,11 @@ def test_bad_batches_fail_with_a_clear_message(model_dir, tmp_path, problem):
     for fragment in expected:
         assert fragment in proc.stderr, (fragment, proc.stderr[-3000:])
     assert "IndexError" not in proc.stderr and "index out of range" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is about running without CUDA")
+def test_cpu_offload_without_cuda_is_a_clear_error(model_dir, tmp_path):
+    proc = trainer(model_dir, tmp_path / "out", "--model.cpu-offload", "--bench", nproc=1, check=False)
+    assert proc.returncode == 1
+    assert "--model.cpu-offload" in proc.stderr and "needs a CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr

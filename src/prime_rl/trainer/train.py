@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         write_resolved_config(config, "trainer")
     try:
         run(config, world)
-    except (BatchError, FileNotFoundError) as e:
-        # Bad or missing input: every rank raises the same message; print it once, without a traceback.
+    except (BatchError, FileNotFoundError, SetupError) as e:
+        # Bad input or settings: every rank raises the same message; print it once, without a traceback.
         if world.is_main:
             logger.error(f"trainer stopped: {e}")
         raise SystemExit(1) from None
@@ -150,7 +150,13 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
+class SetupError(Exception):
+    """A setting that cannot work on this machine."""
+
+
 def run(config: TrainerConfig, world: World) -> None:
+    if config.model.cpu_offload and world.device.type != "cuda":
+        raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
     torch.manual_seed(config.seed)
     arch = AutoConfig.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
     publish_dtype = arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
