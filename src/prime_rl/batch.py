@@ -8,13 +8,13 @@ file; the reader decodes with a typed decoder so a wrong-typed field fails at lo
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+
+from prime_rl.utils.fs import write_atomic
 
 
 class TrainingSample(msgspec.Struct, frozen=True):
@@ -56,39 +56,8 @@ def batch_path(output_dir: Path, step: int) -> Path:
 
 
 def write_batch(batch: TrainingBatch, path: Path) -> None:
-    """Write `batch` so that `path` appears only once complete.
-
-    The bytes go to a temp file in the same directory (same filesystem, so the rename is atomic), are fsynced,
-    then renamed over `path`; the directory is fsynced too so the rename survives a crash.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _ENCODER.encode(batch)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Persist a rename; best effort, since some filesystems do not allow opening directories."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write `batch` so that `path` appears only once complete (temp file, fsync, rename)."""
+    write_atomic(Path(path), _ENCODER.encode(batch))
 
 
 def read_batch(path: Path) -> TrainingBatch:

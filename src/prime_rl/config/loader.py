@@ -32,6 +32,7 @@ import tomli_w
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from prime_rl.config.base import EntrypointConfig
+from prime_rl.utils.fs import write_atomic
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -145,8 +146,7 @@ def resolve_key(root: type[BaseModel], raw: str) -> FieldInfo | None:
     Dotted keys are matched segment by segment with `-` and `_` equivalent. Undotted keys may also
     use `-`/`_` in place of the dots (`--model-name`) when that spelling names exactly one key.
     """
-    path = tuple(seg.replace("-", "_") for seg in raw.split("."))
-    info = _lookup(root, path)
+    info = _lookup(root, _split(raw))
     if info is not None:
         return info
     wanted = _tokens(raw)
@@ -162,8 +162,9 @@ def resolve_key(root: type[BaseModel], raw: str) -> FieldInfo | None:
 def suggest(root: type[BaseModel], path: tuple[str, ...]) -> str:
     """' (did you mean `x.y`?)' for the closest valid key, or ''."""
     parent = path[:-1]
-    models = [root] if not parent else (_lookup(root, parent).sections if _lookup(root, parent) else [])
-    names = list(_fields_of(models)) if models else []
+    parent_info = _lookup(root, parent) if parent else None
+    models = [root] if not parent else (parent_info.sections if parent_info else [])
+    names = list(_fields_of(models))
     close = difflib.get_close_matches(path[-1].replace("-", "_"), names, n=1, cutoff=0.6)
     if not close:
         dotted = ".".join(path)
@@ -446,10 +447,9 @@ def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
             continue
         sections = _model_classes(info.annotation)
         default = info.get_default(call_default_factory=True)
-        if len(sections) > 1 and isinstance(default, BaseModel):
-            tag = next((k for k in ("type",) if k in type(default).model_fields), None)
-            if tag is not None and tag not in value:
-                value = {tag: getattr(default, tag), **value}
+        if len(sections) > 1 and isinstance(default, BaseModel) and "type" in type(default).model_fields:
+            if "type" not in value:
+                value = {"type": default.type, **value}
         if len(sections) == 1:
             value = fill_discriminators(sections[0], value)
         elif tag_value := value.get("type"):
@@ -526,10 +526,7 @@ def _description(root: type[BaseModel], path: tuple[str, ...]) -> str:
 def write_resolved_config(config: EntrypointConfig, entrypoint: str) -> Path:
     """Write `{output_dir}/configs/<entrypoint>.toml` atomically (tmp + rename)."""
     target = Path(config.output_dir) / "configs" / f"{entrypoint}.toml"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".toml.tmp{os.getpid()}")
-    tmp.write_text(to_toml(config))
-    os.replace(tmp, target)
+    write_atomic(target, to_toml(config).encode())
     return target
 
 

@@ -11,16 +11,15 @@ a `Qwen3Config` or `LlamaConfig`, a `generation_config.json` and seeded random w
 tests a "new policy" checkpoint with the same tensor names, shapes and dtypes.
 """
 
-import os
 import random
 import shutil
 import string
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 from prime_rl.config import BaseConfig
+from prime_rl.utils.fs import atomic_dir
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?;:'\"-()\n"
 
@@ -369,17 +368,6 @@ def _build_generation_config(config: TinyModelConfig, tokenizer):
     )
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Move the finished `tmp` onto `target`; an existing `target` is swapped out first, then removed."""
-    old = None
-    if target.exists() or target.is_symlink():
-        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
-        os.replace(target, old / "dir")
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_tiny_model(config: TinyModelConfig) -> Path:
     """Write tokenizer, chat template, config, generation config and random weights to `config.output`.
 
@@ -390,10 +378,7 @@ def build_tiny_model(config: TinyModelConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     output = Path(config.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.tmp-"))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the model dir should be readable like any other
-    try:
+    with atomic_dir(output) as tmp:
         tokenizer = _build_tokenizer(config)
         tokenizer.save_pretrained(tmp)
 
@@ -404,10 +389,6 @@ def build_tiny_model(config: TinyModelConfig) -> Path:
         model = model.to(getattr(torch, config.dtype))
         model.generation_config = _build_generation_config(config, tokenizer)
         model.save_pretrained(tmp, safe_serialization=True)
-        _replace_dir(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
 
 
@@ -422,11 +403,8 @@ def perturb_weights(src: Path, dst: Path, scale: float = 0.5, seed: int = 1) -> 
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
-    try:
-        work = tmp / "model"
-        shutil.copytree(src, work)
+    with atomic_dir(dst) as work:
+        shutil.copytree(src, work, dirs_exist_ok=True)
         generator = torch.Generator().manual_seed(seed)
         for file in sorted(work.glob("*.safetensors")):
             tensors = load_file(str(file))
@@ -439,9 +417,6 @@ def perturb_weights(src: Path, dst: Path, scale: float = 0.5, seed: int = 1) -> 
                 noise = torch.randn(values.shape, generator=generator) * (scale * (std if std > 0 else 0.02))
                 tensors[name] = (values + noise).to(tensor.dtype).contiguous()
             save_file(tensors, str(file), metadata={"format": "pt"})
-        _replace_dir(work, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dst
 
 

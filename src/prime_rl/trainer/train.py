@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     world = init_distributed()
     setup_logging("trainer", config.log.level, config.output_dir / "logs" if world.is_main else None)
     if not world.is_main:
-        logger.remove()  # one console, rank 0's
-        logger.add(lambda m: None)
+        logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
     if world.is_main:
         write_resolved_config(config, "trainer")
     try:
@@ -229,7 +228,7 @@ def run(config: TrainerConfig, world: World) -> None:
 
 
 def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub) -> dict[str, float]:
-    tokens = max(sums.get("loss_tokens", info["loss_tokens"]), 1)
+    tokens = max(info["loss_tokens"], 1)
     metrics = {
         "loss": sums["loss"],
         "entropy": sums["entropy_sum"] / tokens,

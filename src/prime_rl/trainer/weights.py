@@ -5,7 +5,6 @@ name, renamed into place, then marked `STABLE`: a reader that sees `STABLE` sees
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from prime_rl.utils.fs import atomic_dir
 
 STABLE = "STABLE"
 
@@ -35,23 +36,18 @@ def save_hf_dir(
 ) -> Path:
     """Write `state` as an HF model directory at `target`, atomically (tmp dir + rename, then `marker`)."""
     target = Path(target)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    split = split_torch_state_dict_into_shards(
-        state, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB"
-    )
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    model_config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    with atomic_dir(target) as tmp:
+        split = split_torch_state_dict_into_shards(
+            state, filename_pattern="model{suffix}.safetensors", max_shard_size="5GB"
+        )
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: state[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        model_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     if marker:
         (target / marker).touch()
     return target
