@@ -8,55 +8,29 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import API_KEY, start_server
+from transformers import AutoModelForCausalLM
 
-from prime_rl.inference.process import InferenceServer
-from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key"
 # vLLM serves the bf16 weights and computes in bf16; transformers recomputes in fp32 from the same
 # bf16 weights. bf16 keeps 8 significant bits (relative rounding error 2^-9 ~ 0.2%), so activations
 # and logits of magnitude <= ~10 carry absolute errors of a few 1e-2 after two layers; measured
 # maxima are ~0.01-0.02 (see the closing note). 0.05 leaves room without hiding a wrong-weights bug,
 # which moves logprobs by > 0.5 here (base vs perturbed weights).
 LOGPROB_ATOL = 0.05
-# verifiers 0.4 keeps module-level asyncio locks bound to the first event loop that used them, so all
-# its calls in this process (tied and untied servers) share one loop.
-VERIFIERS_LOOP = asyncio.new_event_loop()
-PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="session", params=["tied", "untied"])
 def server(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"inference-{request.param}")
-    base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=request.param == "tied"))
-    perturb_weights(base, root / "step_1", scale=8.0)
-    srv = InferenceServer(
-        base,
-        root / "out",
-        extra=[
-            "--model.enforce-eager",
-            "--model.max-model-len",
-            "512",
-            "--allowed-weight-roots",
-            str(root),
-            "--max-num-seqs",
-            "48",
-        ],
-        api_key=API_KEY,
-    )
-    try:
-        srv.wait_healthy()
-        srv.root = root
-        srv.base = base
-        srv.step_1 = root / "step_1"
-        srv.tokenizer = AutoTokenizer.from_pretrained(base)
-        srv.prompt_ids = srv.tokenizer.encode(PROMPT)
-        yield srv
-    finally:
-        srv.stop()
+    if request.param == "tied":
+        yield request.getfixturevalue("tied_server")
+        return
+    srv = start_server(tmp_path_factory.mktemp("inference-untied"), tied=False)
+    yield srv
+    srv.stop()
 
 
 def generate(srv, max_tokens=8, temperature=0.0, seed=None, ids=None, **extra) -> dict:
@@ -200,7 +174,7 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
     assert generate(server, max_tokens=10) == before
 
 
-def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monkeypatch):
+def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monkeypatch, verifiers_loop):
     """The verifiers train client, unmodified, against /inference/v1/generate at temperature 0.5."""
     import renderers
     import verifiers.v1 as vf
@@ -226,7 +200,7 @@ def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monke
         async with vf.make_agent(cfg) as agent:
             return await asyncio.gather(*[agent.run(task) for _ in range(4)])
 
-    traces = VERIFIERS_LOOP.run_until_complete(run())
+    traces = verifiers_loop.run_until_complete(run())
     raw_gap = 0.0
     for trace in traces:
         assert not trace.has_error, trace.errors

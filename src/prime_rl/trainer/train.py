@@ -8,7 +8,6 @@ forward/backward every row (loss normalised by the step's total loss tokens) -> 
 scheduler step -> publish `broadcasts/step_n` (pi_n) -> maybe checkpoint.
 """
 
-import json
 import math
 import random
 import time
@@ -38,6 +37,7 @@ from prime_rl.trainer.perf import (
 )
 from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.metrics import append_metrics
 
 
 def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
@@ -262,8 +262,7 @@ def log_step(step: int, metrics: dict, output_dir: Path) -> None:
         f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
     )
-    with open(Path(output_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"process": "trainer", "step": step, **metrics}) + "\n")
+    append_metrics(output_dir, "trainer", step, metrics)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,18 @@ def _tee_output(log_file: Path) -> None:
     threading.Thread(target=pump, name="log-tee", daemon=True).start()
 
 
-def setup_logging(process: str, level: str = "info", log_dir: Path | None = None, tee_fds: bool = False) -> Path | None:
+def setup_logging(
+    process: str,
+    level: str = "info",
+    log_dir: Path | None = None,
+    tee_fds: bool = False,
+    console_level: str | None = None,
+) -> Path | None:
     """Configure logging once per process; returns the log file path (None without `log_dir`).
 
     With `tee_fds`, the log file receives the raw console output of this process and of every child
-    it starts (used by `inference`); otherwise loguru writes the file itself.
+    it starts (used by `inference`); otherwise loguru writes the file itself. `console_level` (default: `level`)
+    lets helper processes keep the shared console to warnings while their file gets everything.
     Calling it again in the same process only reconfigures the sinks (tests do that).
     """
     global _configured
@@ -72,7 +79,7 @@ def setup_logging(process: str, level: str = "info", log_dir: Path | None = None
             _tee_output(log_file)
     logger.remove()
     logger.configure(extra={"process": process})
-    logger.add(sys.stderr, level=level.upper(), format=CONSOLE_FORMAT, colorize=None, enqueue=False)
+    logger.add(sys.stderr, level=(console_level or level).upper(), format=CONSOLE_FORMAT, colorize=None, enqueue=False)
     if log_file is not None and not tee_fds:
         logger.add(log_file, level=level.upper(), format=FILE_FORMAT, enqueue=False, mode="a")
 

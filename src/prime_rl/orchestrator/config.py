@@ -1,0 +1,173 @@
+"""Config of the `orchestrator` entry point."""
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.orchestrator.advantage import AdvantageConfig
+from prime_rl.orchestrator.buffer import BufferConfig
+
+
+class ClientConfig(BaseConfig):
+    base_urls: list[str] = ["http://localhost:8000/v1"]
+    """OpenAI base URLs of the inference servers (ending in `/v1`); groups are spread over them by load."""
+
+    api_key_var: str = "VLLM_API_KEY"
+    """Environment variable holding the inference servers' API key (unset: no key)."""
+
+    timeout: float = Field(1800.0, gt=0)
+    """Seconds an admin call (weight update, health check) may take before it counts as failed."""
+
+    @field_validator("base_urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        if not urls:
+            raise ValueError("needs at least one inference base URL")
+        bad = [u for u in urls if not u.rstrip("/").endswith("/v1")]
+        if bad:
+            raise ValueError(f"base URLs must end in /v1 (the OpenAI API root), got {bad}")
+        return [u.rstrip("/") for u in urls]
+
+
+class ModelConfig(BaseConfig):
+    name: str = "Qwen/Qwen3-0.6B"
+    """Model name the inference servers serve (`--served-model-name`, else the path they loaded)."""
+
+    tokenizer: str | None = None
+    """Hugging Face id or local directory the client-side renderer loads its tokenizer from (default: `name`)."""
+
+    renderer: dict[str, Any] | None = None
+    """`renderers` config, e.g. `{name = "qwen3", enable_thinking = false}` (None: chosen from the model name).
+    Multi-turn training wants a model-specific renderer that bridges turns, so sampled tokens are never re-tokenized."""
+
+    @field_validator("renderer")
+    @classmethod
+    def _check_renderer(cls, renderer: dict[str, Any] | None) -> dict[str, Any] | None:
+        if renderer is not None:
+            from pydantic import TypeAdapter
+            from renderers import RendererConfig
+
+            TypeAdapter(RendererConfig).validate_python(renderer)
+        return renderer
+
+
+class EnvConfig(BaseConfig):
+    id: str = "reverse-text"
+    """verifiers taskset id: an importable module (`reverse-text` imports `reverse_text`)."""
+
+    args: dict[str, Any] = {}
+    """Taskset config values (the taskset's `TasksetConfig` fields), e.g. `{num_tasks = 1000}`."""
+
+    harness: str | None = None
+    """verifiers harness id; None: the taskset's own harness if it exports one, else the in-process `prime-chat`."""
+
+    name: str | None = None
+    """Name in metrics and logs (default: `id`); must be unique across environments."""
+
+    ratio: float | None = Field(None, gt=0)
+    """Share of groups drawn from this environment (normalised over all); None everywhere: by number of tasks."""
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.id
+
+
+class SamplingConfig(BaseConfig):
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; the trainer divides its logits by it to match the sampler's logprobs."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Max tokens per model turn (None: the rest of the context)."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; keep 1.0 for unbiased policy gradients."""
+
+    seed: int | None = None
+    """Sampling seed sent with each request (None: random)."""
+
+
+class CheckpointConfig(BaseConfig):
+    interval: int = Field(50, ge=1)
+    """Save progress and buffer every this many steps (match the trainer's interval)."""
+
+    resume_step: int | None = Field(None, ge=-1)
+    """Resume from this step's checkpoint; -1 = the latest complete one; None = start fresh."""
+
+
+class OrchestratorConfig(EntrypointConfig):
+    model: ModelConfig = ModelConfig()
+    """The policy being trained, as the inference servers serve it."""
+
+    client: ClientConfig = ClientConfig()
+    """Inference servers."""
+
+    env: list[EnvConfig] = [EnvConfig()]
+    """Environments to train on (`[[env]]` tables)."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings for training rollouts."""
+
+    buffer: BufferConfig = BufferConfig()
+    """Task sampling, difficulty filtering and retirement."""
+
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage estimator."""
+
+    filter_zero_advantage: bool = False
+    """Drop groups whose advantages are all zero (no learning signal) instead of training on them."""
+
+    ckpt: CheckpointConfig | None = None
+    """Checkpoints of progress and buffer (`--ckpt` enables with defaults)."""
+
+    batch_size: int = Field(64, ge=1)
+    """Rollouts (samples) per step; a multiple of `rollouts_per_example`."""
+
+    rollouts_per_example: int = Field(8, ge=1)
+    """Rollouts per task: a group, the unit advantages are computed over."""
+
+    oversampling: float = Field(1.0, ge=1.0)
+    """Groups kept in flight = batch_size / rollouts_per_example * oversampling (more hides slow rollouts)."""
+
+    max_async_level: int = Field(2, ge=0)
+    """k: no rollout of batch n starts on a policy older than step n-1-k (0 = fully on-policy)."""
+
+    max_off_policy_steps: int = Field(8, ge=0)
+    """Drop a group whose tokens span more than this many policy updates."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after writing this step's batch (None: run until stopped)."""
+
+    seq_len: int = Field(2048, ge=1)
+    """Longest sample the trainer accepts; longer rollouts are dropped and counted."""
+
+    workers: int = Field(2, ge=1)
+    """Rollout worker processes (verifiers costs ~20 ms of CPU per model turn, so one process tops out ~45 turns/s)."""
+
+    max_retries: int = Field(3, ge=0)
+    """Times a group whose rollouts failed on the inference server (connection, 5xx) is retried."""
+
+    weights_poll_interval: float = Field(0.5, gt=0)
+    """Seconds between looks for newly published trainer weights."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "OrchestratorConfig":
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example ({self.rollouts_per_example})"
+            )
+        names = [e.display_name for e in self.env]
+        if not names:
+            raise ValueError("env: configure at least one environment")
+        if len(set(names)) != len(names):
+            raise ValueError(f"env names must be unique, got {names}; set `name` to tell them apart")
+        ratios = [e.ratio for e in self.env]
+        if any(r is None for r in ratios) and any(r is not None for r in ratios):
+            raise ValueError("env ratio: set it on every environment or on none")
+        if self.advantage.estimator == "rloo" and self.rollouts_per_example < 2:
+            raise ValueError("advantage.estimator rloo needs rollouts_per_example >= 2")
+        return self
+
+    @property
+    def groups_per_batch(self) -> int:
+        return self.batch_size // self.rollouts_per_example

@@ -1,0 +1,215 @@
+"""`orchestrator` entry point: rollouts in, one training batch per step out.
+
+    uv run orchestrator @ cfg.toml
+
+Start: load the environments and their tasks -> wait for the inference servers -> base weights on a fresh
+start, or the resumed step's weights -> spawn rollout workers. Step n: the scheduler collects finished
+groups that respect the off-policy bound (swapping weights as the trainer publishes them) -> advantages per
+group -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
+"""
+
+import asyncio
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
+from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.orchestrator import ckpt
+from prime_rl.orchestrator.advantage import compute_advantages
+from prime_rl.orchestrator.buffer import Buffer
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats
+from prime_rl.orchestrator.servers import InferenceServers
+from prime_rl.orchestrator.worker import RolloutWorkers, load_env
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.metrics import append_metrics
+
+MAX_TASKS = 1_000_000
+"""Tasks taken from an infinite (procedural) taskset."""
+
+
+def load_tasks(config: OrchestratorConfig) -> dict[str, list[dict]]:
+    """Every environment's tasks as JSON task data (the workers rebuild tasks from it)."""
+    tasks = {}
+    for env_config in config.env:
+        env = load_env(env_config, config.seq_len)
+        data = [t.data.model_dump(mode="json") for t in itertools.islice(env.taskset, MAX_TASKS)]
+        if not data:
+            raise RuntimeError(f"environment {env_config.display_name!r} has no tasks")
+        tasks[env_config.display_name] = data
+        logger.info(f"environment {env_config.display_name}: {len(data)} tasks")
+    return tasks
+
+
+def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[TrainingSample], torch.Tensor]:
+    """A group's training samples with its advantages (one scalar per rollout on every token)."""
+    rewards = torch.tensor([[r.reward for r in group.rollouts]], dtype=torch.float64)
+    lengths = torch.tensor([[max(1, sum(sum(s.loss_mask) for s in r.samples)) for r in group.rollouts]])
+    advantages = compute_advantages(rewards, lengths, config.advantage)[0]
+    samples = []
+    for rollout, advantage in zip(group.rollouts, advantages.tolist(), strict=True):
+        for s in rollout.samples:
+            versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
+            samples.append(
+                TrainingSample(
+                    token_ids=s.token_ids,
+                    loss_mask=s.loss_mask,
+                    inference_logprobs=s.logprobs,
+                    advantages=[advantage] * len(s.token_ids),
+                    temperature=config.sampling.temperature,
+                    policy_versions=versions,
+                )
+            )
+    return samples, advantages
+
+
+def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: float) -> dict:
+    rollouts = [(g, r) for g in groups for r in g.rollouts]
+    rewards = [r.reward for _, r in rollouts]
+    lengths = [len(s.token_ids) for _, r in rollouts for s in r.samples]
+    sampled = [sum(sum(s.loss_mask) for s in r.samples) for _, r in rollouts]
+    lags = [step - 1 - g.version for g, _ in rollouts]
+    metrics = {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "seq_len/mean": statistics.fmean(lengths),
+        "seq_len/max": max(lengths),
+        "completion_len/mean": statistics.fmean(sampled),
+        "truncated_fraction": statistics.fmean(float(r.truncated) for _, r in rollouts),
+        "turns/mean": statistics.fmean(r.num_turns for _, r in rollouts),
+        "async_lag/max": max(lags),
+        "async_lag/mean": statistics.fmean(lags),
+        "tokens_per_s": sum(lengths) / seconds,
+        "rollouts_per_s": len(rollouts) / seconds,
+        "time/step": seconds,
+        "time/wait_for_weights": stats.wait_for_weights,
+        "time/update_weights": stats.update_weights,
+        "weight_swaps": stats.swaps,
+        "errors": stats.errors,
+        "retries": stats.retries,
+        "dropped/stale": stats.dropped_stale,
+        "dropped/too_long": stats.dropped_too_long,
+        "filtered": stats.filtered,
+        "worker_loop_lag/max": stats.worker_loop_lag,
+    }
+    for env in sorted({g.env for g in groups}):
+        env_rewards = [r.reward for g, r in rollouts if g.env == env]
+        metrics[f"reward/{env}/mean"] = statistics.fmean(env_rewards)
+        metrics[f"reward/{env}/std"] = statistics.pstdev(env_rewards)
+        metrics[f"rollouts/{env}"] = len(env_rewards)
+    for name in sorted({k for _, r in rollouts for k in r.metrics}):
+        values = [r.metrics[name] for _, r in rollouts if name in r.metrics]
+        metrics[f"metrics/{name}"] = statistics.fmean(values)
+    return metrics
+
+
+class LoopLagMonitor:
+    """How late `asyncio.sleep` wakes up: the time the event loop was busy with something else."""
+
+    def __init__(self, interval: float = 0.1):
+        self.interval, self.samples = interval, []
+
+    async def run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            self.samples.append(time.perf_counter() - start - self.interval)
+
+    def pop_metrics(self) -> dict:
+        samples, self.samples = self.samples or [0.0], []
+        return {"event_loop_lag/max": max(samples), "event_loop_lag/mean": statistics.fmean(samples)}
+
+
+def log_step(step: int, metrics: dict, output_dir: Path) -> None:
+    logger.info(
+        f"step {step} | reward {metrics['reward/mean']:.4f} | seq {metrics['seq_len/mean']:.0f} | "
+        f"{metrics['tokens_per_s']:.0f} tok/s {metrics['rollouts_per_s']:.1f} rollouts/s | "
+        f"lag max {metrics['async_lag/max']} mean {metrics['async_lag/mean']:.2f} | "
+        f"wait {metrics['time/wait_for_weights']:.2f}s swap {metrics['time/update_weights']:.2f}s | "
+        f"errors {metrics['errors']} dropped {metrics['dropped/stale'] + metrics['dropped/too_long']} "
+        f"filtered {metrics['filtered']}"
+    )
+    append_metrics(output_dir, "orchestrator", step, metrics)
+
+
+async def orchestrate(config: OrchestratorConfig) -> None:
+    output_dir = config.output_dir
+    tasks = load_tasks(config)
+    ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
+    buffer = Buffer(config.buffer, {name: len(t) for name, t in tasks.items()}, ratios)
+    progress = ckpt.Progress()
+    if config.ckpt is not None and config.ckpt.resume_step is not None:
+        step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
+        progress, buffer_state = ckpt.load(output_dir, step)
+        buffer.load_state_dict(buffer_state)
+        logger.info(f"resuming from step {step}: the next batch is {step + 1}")
+
+    servers = InferenceServers(config.client.base_urls, config.client.api_key_var, config.client.timeout, output_dir)
+    workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
+    lag = LoopLagMonitor()
+    lag_task = asyncio.create_task(lag.run())
+    try:
+        await servers.wait_healthy()
+        # A fresh run starts from base weights even on a server reused from an earlier run.
+        seconds = await servers.load_policy(progress.step)
+        logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
+        await workers.start()
+        logger.info(f"{config.workers} rollout worker(s) ready")
+        scheduler = Scheduler(config, buffer, tasks, servers, workers)
+        while config.max_steps is None or progress.step < config.max_steps:
+            step = progress.step + 1
+            start = time.perf_counter()
+            groups = await scheduler.collect(step)
+            samples, advantages = [], []
+            for group in groups:
+                group_samples_, group_advantages = group_samples(group, config)
+                samples += group_samples_
+                advantages += group_advantages.tolist()
+            write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
+            progress = ckpt.Progress(
+                step=step,
+                tokens=progress.tokens + sum(len(s.token_ids) for s in samples),
+                samples=progress.samples + len(samples),
+                problems=progress.problems + len(groups),
+            )
+            metrics = batch_metrics(groups, step, scheduler.stats, time.perf_counter() - start)
+            metrics.update(lag.pop_metrics(), **{f"buffer/{k}": v for k, v in buffer.metrics().items()})
+            metrics.update(
+                {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
+            )
+            metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
+            log_step(step, metrics, output_dir)
+            scheduler.stats = StepStats()
+            buffer.reset_step_metrics()
+            if config.ckpt is not None and step % config.ckpt.interval == 0:
+                logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict())}")
+    finally:
+        lag_task.cancel()
+        await workers.close()
+        await servers.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, _ = load_config(OrchestratorConfig, "orchestrator", argv)
+    setup_logging("orchestrator", config.log.level, config.output_dir / "logs")
+    write_resolved_config(config, "orchestrator")
+    try:
+        asyncio.run(orchestrate(config))
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        sys.exit(130)
+    except Exception as e:
+        logger.error(f"orchestrator failed: {type(e).__name__}: {e}")
+        if config.log.level == "debug":
+            logger.exception(e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""Rollout worker processes.
+
+verifiers spends ~20 ms of CPU per model turn (harness HTTP hop, interception server, trace bookkeeping), so a
+single process tops out around 45 turns/s. The orchestrator therefore runs rollouts in `workers` spawned
+processes and keeps its own event loop for scheduling, weight swaps and batches. Each worker loads every
+environment once, serves their interception servers, and runs the groups it is sent concurrently. It turns
+finished traces into compact, token-exact samples itself, so only small msgpack messages cross the process
+boundary (ZeroMQ DEALER -> the orchestrator's ROUTER).
+
+Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
+drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
+turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from prime_rl.orchestrator.samples import SampleTokens, expand_version_spans, trace_samples
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages between the orchestrator and its workers (msgpack, tagged unions).
+
+
+class RunGroup(msgspec.Struct, tag=True):
+    id: int
+    env: str
+    task: dict[str, Any]
+    """The task's `TaskData`, JSON-dumped; the worker rebuilds the task from it (the orchestrator owns the taskset)."""
+    n: int
+    base_url: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class RolloutResult(msgspec.Struct):
+    reward: float
+    samples: list[SampleTokens]
+    error: str | None = None
+    """Why the rollout cannot be trained on (None: fine)."""
+    retryable: bool = False
+    """The error came from the inference server (connection, 5xx): running the group again may succeed."""
+    truncated: bool = False
+    metrics: dict[str, float] = {}
+    num_turns: int = 0
+    prompt: str = ""
+    completion: str = ""
+    seconds: float = 0.0
+
+
+class GroupDone(msgspec.Struct, tag=True):
+    id: int
+    rollouts: list[RolloutResult]
+    loop_lag: float = 0.0
+    """Worst event-loop lag (s) this worker saw since its previous message."""
+
+
+class Ready(msgspec.Struct, tag=True):
+    worker: int
+
+
+class Failed(msgspec.Struct, tag=True):
+    worker: int
+    message: str
+
+
+ToWorker = RunGroup | Shutdown
+FromWorker = GroupDone | Ready | Failed
+
+# ---------------------------------------------------------------------------------------------------------
+# Capture of vLLM's per-token weight versions.
+
+_captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
+_response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
+
+
+def install_version_capture() -> None:
+    import renderers.client as rc
+    from verifiers.v1.clients.client import SESSION_ID_HEADER
+
+    if getattr(rc.generate, "_prime_rl", False):
+        return
+    parse, generate = rc.parse_generate_response, rc.generate
+
+    def parse_and_keep(raw):
+        data = parse(raw)
+        sink = _response_sink.get()
+        if sink is not None:
+            sink.append(data)
+        return data
+
+    async def generate_and_record(*args, **kwargs):
+        sink: list = []
+        token = _response_sink.set(sink)
+        try:
+            result = await generate(*args, **kwargs)
+        finally:
+            _response_sink.reset(token)
+        session = (kwargs.get("extra_headers") or {}).get(SESSION_ID_HEADER)
+        if session and sink:
+            completion = result["completion_ids"]
+            spans = (sink[-1].get("choices") or [{}])[0].get("weight_versions")
+            _captured.setdefault(session, {})[tuple(completion)] = expand_version_spans(spans, len(completion))
+        return result
+
+    generate_and_record._prime_rl = True
+    rc.parse_generate_response, rc.generate = parse_and_keep, generate_and_record
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Environments.
+
+
+def env_config_data(env, seq_len: int) -> dict:
+    """verifiers env config for one of our `EnvConfig`s, with every cloud default overridden."""
+    agent: dict[str, Any] = {"runtime": {"type": "subprocess"}, "max_total_tokens": seq_len}
+    harness = env.harness or _default_harness(env.id)
+    if harness is not None:
+        agent["harness"] = {"id": harness}
+    return {"taskset": {"id": env.id, **env.args}, "agent": agent}
+
+
+def _default_harness(taskset_id: str) -> str | None:
+    """The taskset's own harness if its package exports one, else our in-process chat harness."""
+    from verifiers.v1.utils.loaders import default_harness_id
+
+    return None if default_harness_id(taskset_id) == taskset_id else "prime-chat"
+
+
+def load_env(env, seq_len: int):
+    """Load one environment; any failure names the environment and the cause."""
+    import verifiers.v1 as vf
+
+    try:
+        return vf.load_environment(vf.resolve_env_config(env_config_data(env, seq_len)))
+    except Exception as e:
+        raise RuntimeError(
+            f"environment {env.display_name!r} (id {env.id!r}) failed to load: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _error_of(trace) -> tuple[str | None, bool]:
+    errors = list(trace.errors or [])
+    if not errors and not trace.has_error:
+        return None, False
+    if not errors:
+        return f"stop condition {trace.stop_condition}", False
+    first = errors[0]
+    retryable = first.type == "ProviderError" and (first.status_code is None or first.status_code >= 500)
+    return f"{first.type}: {first.message}"[:500], retryable
+
+
+def _text(message) -> str:
+    content = getattr(message, "content", None)
+    return content if isinstance(content, str) else ""
+
+
+def rollout_result(trace, seconds: float) -> RolloutResult:
+    """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text."""
+    error, retryable = _error_of(trace)
+    versions = _captured.pop(trace.id, {})
+    samples = [] if error else trace_samples(trace.branches, versions)
+    if not error and not samples:
+        error = f"no sampled tokens (stop condition {trace.stop_condition})"
+    metrics = {k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
+    for name, reward in (trace.rewards or {}).items():
+        if reward is not None:
+            metrics[f"reward/{name}"] = float(reward.score)
+    messages = trace.messages or []
+    prompt = next((_text(m) for m in messages if getattr(m, "role", None) == "user"), "")
+    return RolloutResult(
+        reward=float(trace.reward or 0.0) if not error else 0.0,
+        samples=samples,
+        error=error,
+        retryable=retryable,
+        truncated=bool(trace.is_truncated),
+        metrics=metrics,
+        num_turns=int(trace.num_turns or 0),
+        prompt=prompt[:2000],
+        completion=(trace.last_reply or "")[:2000],
+        seconds=seconds,
+    )
+
+
+def episode_results(episode, seconds: float) -> list[RolloutResult]:
+    traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
+    if not traces:
+        errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
+        return [RolloutResult(reward=0.0, samples=[], error=errors[:500], retryable=False, seconds=seconds)]
+    results = [rollout_result(t, seconds) for t in traces]
+    if not episode.ok and episode.errors:
+        # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
+        message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
+        for r in results:
+            r.error, r.samples = r.error or message, []
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worker process.
+
+
+class Worker:
+    def __init__(self, config, index: int):
+        import verifiers.v1 as vf
+        from renderers import RendererConfig
+
+        self.vf, self.config, self.index = vf, config, index
+        renderer = None
+        if config.model.renderer is not None:
+            from pydantic import TypeAdapter
+
+            renderer = TypeAdapter(RendererConfig).validate_python(config.model.renderer)
+        self.clients = {
+            url: vf.TrainClientConfig(
+                base_url=url,
+                api_key_var=config.client.api_key_var,
+                renderer=renderer,
+                renderer_model_name=config.model.tokenizer or config.model.name,
+            )
+            for url in config.client.base_urls
+        }
+        sampling = {"temperature": config.sampling.temperature, "top_p": config.sampling.top_p}
+        if config.sampling.max_tokens is not None:
+            sampling["max_tokens"] = config.sampling.max_tokens
+        if config.sampling.seed is not None:
+            sampling["seed"] = config.sampling.seed
+        self.sampling = vf.SamplingConfig(**sampling)
+        self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
+        self.tasks_built: dict[str, Any] = {}
+        self.max_lag = 0.0
+
+    def build_task(self, env_name: str, data: dict):
+        env = self.envs[env_name]
+        task_cls = type(env.taskset).task_type()
+        return task_cls(task_cls.data_type().model_validate(data), env.config.taskset.task)
+
+    async def run_group(self, request: RunGroup) -> GroupDone:
+        env = self.envs[request.env]
+        task = self.build_task(request.env, request.task)
+        ctx = self.vf.ModelContext(
+            model=self.config.model.name, client=self.clients[request.base_url], sampling=self.sampling
+        )
+
+        async def one() -> list[RolloutResult]:
+            start = time.perf_counter()
+            try:
+                episode = await env.run_episode(task, ctx)
+            except Exception as e:  # the episode boundary records hook failures; this is a last resort
+                return [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
+            return episode_results(episode, time.perf_counter() - start)
+
+        groups = await asyncio.gather(*(one() for _ in range(request.n)))
+        lag, self.max_lag = self.max_lag, 0.0
+        return GroupDone(id=request.id, rollouts=[r for g in groups for r in g], loop_lag=lag)
+
+    async def watch_loop_lag(self, interval: float = 0.1) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(interval)
+            self.max_lag = max(self.max_lag, time.perf_counter() - start - interval)
+
+
+async def _serve(config, index: int, address: str) -> None:
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToWorker)
+    try:
+        worker = Worker(config, index)
+    except Exception as e:
+        await socket.send(encoder.encode(Failed(worker=index, message=str(e))))
+        await asyncio.sleep(0.5)  # let zmq flush before the process exits
+        raise SystemExit(1) from None
+    parent = os.getppid()
+    async with contextlib.AsyncExitStack() as stack:
+        for env in worker.envs.values():
+            await stack.enter_async_context(env.serving())
+        background = {asyncio.create_task(worker.watch_loop_lag())}
+
+        async def run_and_reply(request: RunGroup) -> None:
+            await socket.send(encoder.encode(await worker.run_group(request)))
+
+        async def watch_parent() -> None:
+            while os.getppid() == parent:  # orphaned (orchestrator killed): exit instead of lingering
+                await asyncio.sleep(1.0)
+            os._exit(1)
+
+        background.add(asyncio.create_task(watch_parent()))
+        await socket.send(encoder.encode(Ready(worker=index)))
+        running: set[asyncio.Task] = set()
+        while True:
+            message = decoder.decode(await socket.recv())
+            if isinstance(message, Shutdown):
+                break
+            task = asyncio.create_task(run_and_reply(message))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        for task in running | background:
+            task.cancel()
+    socket.close()
+    context.term()
+
+
+def worker_main(config_json: str, index: int, address: str, log_dir: str | None, level: str) -> None:
+    """Entry point of a spawned worker process."""
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.utils.logging import setup_logging
+
+    config = OrchestratorConfig.model_validate_json(config_json)
+    setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
+    # verifiers logs every rollout and its interception server every request: file only, and only when debugging.
+    for name in ("verifiers", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    install_version_capture()
+    try:
+        asyncio.run(_serve(config, index, address))
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The orchestrator's side: spawn, feed and stop the workers.
+
+
+class RolloutWorkers:
+    """`config.workers` spawned worker processes behind one ZeroMQ ROUTER socket."""
+
+    def __init__(self, config, log_dir: Path | None, level: str):
+        import multiprocessing
+
+        import zmq
+        import zmq.asyncio
+
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        spawn = multiprocessing.get_context("spawn")
+        config_json = config.model_dump_json()
+        self.processes = [
+            spawn.Process(
+                target=worker_main,
+                args=(config_json, i, f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None, level),
+                name=f"rollout-worker-{i}",
+                daemon=True,
+            )
+            for i in range(config.workers)
+        ]
+        self.identities: dict[int, bytes] = {}
+        self.pending = {i: 0 for i in range(config.workers)}
+        self.owner: dict[int, int] = {}  # group id -> worker index
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromWorker)
+
+    async def start(self, timeout: float = 600.0) -> None:
+        """Spawn the workers and wait until each has loaded every environment."""
+        for process in self.processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        while len(self.identities) < len(self.processes):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout workers not ready after {timeout:.0f}s")
+            if not await self.socket.poll(1000):
+                continue
+            identity, payload = await self.socket.recv_multipart()
+            message = self.decoder.decode(payload)
+            if isinstance(message, Failed):
+                raise RuntimeError(f"rollout worker {message.worker}: {message.message}")
+            if isinstance(message, Ready):
+                self.identities[message.worker] = identity
+
+    def check_alive(self) -> None:
+        for i, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                raise RuntimeError(f"rollout worker {i} exited with code {process.exitcode} (see its log)")
+
+    async def submit(self, request: RunGroup) -> None:
+        worker = min(self.identities, key=lambda i: self.pending[i])
+        self.pending[worker] += 1
+        self.owner[request.id] = worker
+        await self.socket.send_multipart([self.identities[worker], self.encoder.encode(request)])
+
+    async def receive(self, timeout: float) -> GroupDone | None:
+        """The next finished group, or None after `timeout` seconds."""
+        if not await self.socket.poll(int(timeout * 1000)):
+            self.check_alive()
+            return None
+        _, payload = await self.socket.recv_multipart()
+        message = self.decoder.decode(payload)
+        if isinstance(message, Failed):
+            raise RuntimeError(f"rollout worker {message.worker}: {message.message}")
+        if isinstance(message, GroupDone):
+            self.pending[self.owner.pop(message.id)] -= 1
+            return message
+        return None
+
+    async def close(self, grace: float = 5.0) -> None:
+        for identity in self.identities.values():
+            with contextlib.suppress(Exception):
+                await self.socket.send_multipart([identity, self.encoder.encode(Shutdown())])
+        deadline = time.monotonic() + grace
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(1.0)
+        self.socket.close()
+        self.context.term()

@@ -1,0 +1,49 @@
+"""Shared integration fixtures: one real vLLM server on the tiny tied model for the whole session.
+
+vLLM takes ~100 s to start on CPU, so every module that needs "a server" (inference tests, orchestrator tests)
+shares this one. Tests must not assume which weights it serves: the orchestrator resets it on start.
+"""
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from prime_rl.inference.process import InferenceServer
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
+
+API_KEY = "test-key"
+PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
+
+
+def start_server(root, tied: bool) -> InferenceServer:
+    """A server on a fresh tiny model under `root`, which is also its allowed weight root."""
+    base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=tied))
+    perturb_weights(base, root / "step_1", scale=8.0)
+    extra = ["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root)]
+    srv = InferenceServer(base, root / "out", extra=extra + ["--max-num-seqs", "48"], api_key=API_KEY)
+    try:
+        srv.wait_healthy()
+    except BaseException:
+        srv.stop()
+        raise
+    srv.root, srv.base, srv.step_1 = root, base, root / "step_1"
+    srv.tokenizer = AutoTokenizer.from_pretrained(base)
+    srv.prompt_ids = srv.tokenizer.encode(PROMPT)
+    return srv
+
+
+@pytest.fixture(scope="session")
+def tied_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("inference-tied"), tied=True)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def verifiers_loop():
+    """renderers' train client keeps a module-level asyncio.Lock that binds to the first loop that waits on it,
+    so every in-process verifiers call of the session runs on this one loop."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
