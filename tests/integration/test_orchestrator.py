@@ -228,7 +228,8 @@ def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k):
 
 def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
     """reverse-text : arithmetic = 3 : 1 over 400 rollouts (100 groups of 4). Groups are the sampled unit:
-    p = 0.75, n = 100, sd = sqrt(p(1-p)/n) = 0.043; we allow 3.5 sd (0.15)."""
+    p = 0.75, n = 100, sd = sqrt(p(1-p)/n) = 0.043; we allow 3.5 sd (0.15). The server is given under two
+    URLs, which the orchestrator treats as two servers: both get groups."""
     srv = tied_server
     out = srv.root / "runs" / "mix"
     run_orchestrator(
@@ -236,6 +237,7 @@ def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
         "--max-steps", "10", "--batch-size", "40", "--max-async-level", "100",
         "--env", '[{"id": "reverse-text", "ratio": 3}, {"id": "arithmetic", "ratio": 1}]',
         "--sampling.max-tokens", "4",
+        "--client.base-urls", f'["{srv.url}/v1", "http://localhost:{srv.port}/v1"]',
     )  # fmt: skip
     rows = metrics(out)
     counts = {env: sum(m.get(f"rollouts/{env}", 0) for m in rows) for env in ("reverse-text", "arithmetic")}
@@ -243,6 +245,8 @@ def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
     share = counts["reverse-text"] / 400
     assert abs(share - 0.75) <= 0.15, counts
     assert all(f"reward/{env}/mean" in rows[-1] or counts[env] == 0 for env in counts)
+    per_server = [sum(m[f"groups_started/server_{i}"] for m in rows) for i in (0, 1)]
+    assert min(per_server) >= 30, per_server  # least-loaded balancing: roughly even
 
 
 def test_resume_moves_servers_to_the_checkpoint_policy(tied_server):

@@ -69,12 +69,12 @@ def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[Traini
     return samples, advantages
 
 
-def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: float) -> dict:
+def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: float, urls: list[str]) -> dict:
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     rewards = [r.reward for _, r in rollouts]
     lengths = [len(s.token_ids) for _, r in rollouts for s in r.samples]
     sampled = [sum(sum(s.loss_mask) for s in r.samples) for _, r in rollouts]
-    lags = [step - 1 - g.version for g, _ in rollouts]
+    lags = [max(0, step - 1 - g.version) for g, _ in rollouts]  # 0 = on-policy (or fresher than required)
     metrics = {
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
@@ -98,6 +98,8 @@ def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: flo
         "filtered": stats.filtered,
         "worker_loop_lag/max": stats.worker_loop_lag,
     }
+    for i, url in enumerate(urls):
+        metrics[f"groups_started/server_{i}"] = stats.groups_per_server.get(url, 0)
     for env in sorted({g.env for g in groups}):
         env_rewards = [r.reward for g, r in rollouts if g.env == env]
         metrics[f"reward/{env}/mean"] = statistics.fmean(env_rewards)
@@ -178,7 +180,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 samples=progress.samples + len(samples),
                 problems=progress.problems + len(groups),
             )
-            metrics = batch_metrics(groups, step, scheduler.stats, time.perf_counter() - start)
+            metrics = batch_metrics(groups, step, scheduler.stats, time.perf_counter() - start, servers.urls)
             metrics.update(lag.pop_metrics(), **{f"buffer/{k}": v for k, v in buffer.metrics().items()})
             metrics.update(
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}

@@ -76,6 +76,7 @@ class StepStats:
     dropped_too_long: int = 0
     filtered: int = 0
     worker_loop_lag: float = 0.0
+    groups_per_server: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -150,6 +151,7 @@ class Scheduler:
     async def _submit(self, group: Group) -> None:
         self.inflight[group.id] = group
         self.servers.load[group.url] += 1
+        self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
         task = self.tasks[group.env][group.task_idx]
         request = RunGroup(
             id=group.id, env=group.env, task=task, n=self.config.rollouts_per_example, base_url=group.url
