@@ -278,6 +278,24 @@ def test_failing_reward_is_counted_and_the_run_goes_on(tied_server):
         assert len(read_batch(batch_path(out, n)).samples) == 8
 
 
+def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
+    """kill -9 while batches are being written: every batch.bin on disk decodes, and the steps are 1..m."""
+    srv = tied_server
+    out = srv.root / "runs" / "killed"
+    proc = start_orchestrator(srv, out, "--max-steps", "1000", "--max-async-level", "1000", "--batch-size", "4")
+    try:
+        while not batch_path(out, 4).exists():
+            assert proc.poll() is None, (out / "console.out").read_text()[-3000:]
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    steps = sorted(int(p.parent.name.removeprefix("step_")) for p in (out / "rollouts").glob("step_*/batch.bin"))
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
+    for n in steps:
+        assert len(read_batch(batch_path(out, n)).samples) == 4
+
+
 def test_server_restart_mid_run(tmp_path_factory):
     """Kill the inference server mid-run and start it again on the same port: failed groups are retried once it
     is healthy, it is moved back to the current policy (a restarted server serves base weights), the run ends

@@ -1,0 +1,464 @@
+"""`rl` entry point: inference, orchestrator and trainer from one config, supervised as one run.
+
+    uv run rl @ configs/reverse_text/rl.toml
+    uv run rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --max-steps 20
+
+Before anything starts, the shared top-level fields (model, max_steps, max_async_level, seq_len, output_dir,
+ckpt) are copied into the three sections and contradictions are refused. Then: clean stale rollouts and
+weights (or those after the resumed step), start inference and wait until it is healthy, start the
+orchestrator and the `torchrun` trainer. Every process runs in its own process group and logs to
+`{output_dir}/logs/`; the console follows the orchestrator's and trainer's step lines. When any process
+fails, or on Ctrl-C, every process group is terminated (then killed after a grace period) and `rl` exits
+non-zero naming the process, its exit code and the end of its output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from loguru import logger
+from pydantic import Field, model_validator
+
+from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config.loader import load_config, to_toml, write_resolved_config
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.orchestrator import ckpt as orchestrator_ckpt
+from prime_rl.orchestrator.config import CheckpointConfig as OrchestratorCheckpointConfig
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.trainer.config import CheckpointConfig as TrainerCheckpointConfig
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.logging import setup_logging
+
+API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
+BIN = Path(sys.executable).parent
+
+
+class SharedModelConfig(BaseConfig):
+    name: str
+    """Model for all three processes: hub id or local directory (the trainer's starting weights)."""
+
+
+class SharedCheckpointConfig(BaseConfig):
+    interval: int = Field(50, ge=1)
+    """Trainer and orchestrator checkpoint every this many steps."""
+
+    resume_step: int | None = Field(None, ge=-1)
+    """Resume trainer and orchestrator from this step; -1 = the latest step both saved; None = start fresh."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """Trainer: keep only this many most recent checkpoints."""
+
+    keep_interval: int | None = Field(None, ge=1)
+    """Trainer: also keep every checkpoint whose step is a multiple of this."""
+
+
+class RLConfig(EntrypointConfig):
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer (`[trainer]`, or `--trainer @ t.toml`)."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """The orchestrator (`[orchestrator]`)."""
+
+    inference: InferenceConfig | None = None
+    """The inference server to start (`[inference]`); None: use the running servers in `orchestrator.client`."""
+
+    model: SharedModelConfig | None = None
+    """Shared model name, copied into every section."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Shared: trainer and orchestrator stop after this step."""
+
+    max_async_level: int | None = Field(None, ge=0)
+    """Shared: k, how many steps inference may lag behind the trainer."""
+
+    seq_len: int | None = Field(None, ge=1)
+    """Shared: longest sample (orchestrator) and packed row length (trainer)."""
+
+    ckpt: SharedCheckpointConfig | None = None
+    """Shared checkpoints (`--ckpt` enables with defaults)."""
+
+    trainer_gpu_ids: list[int] = [1]
+    """GPUs of the trainer (CUDA_VISIBLE_DEVICES); also the number of trainer ranks (on CPU only the count is used)."""
+
+    inference_gpu_ids: list[int] = [0]
+    """GPUs of the inference server (may overlap the trainer's; ignored on CPU)."""
+
+    inference_timeout: float = Field(900.0, gt=0)
+    """Seconds to wait for the inference server to become healthy."""
+
+    stop_grace: float = Field(15.0, ge=0)
+    """Seconds a stopping process gets after SIGTERM before SIGKILL."""
+
+    @model_validator(mode="after")
+    def _propagate(self) -> RLConfig:
+        trainer, orch, inf = self.trainer, self.orchestrator, self.inference
+        sections = [("trainer", trainer), ("orchestrator", orch)] + ([("inference", inf)] if inf else [])
+        for name, section in sections:
+            _share(section, "output_dir", self.output_dir, name, "output_dir")
+        if self.model is not None:
+            _share(trainer.model, "name", self.model.name, "trainer.model", "model.name")
+            if inf is not None:
+                _share(inf.model, "name", self.model.name, "inference.model", "model.name")
+                _share(orch.model, "name", inf.model.served_name or self.model.name, "orchestrator.model", "model.name")
+            else:
+                _share(orch.model, "name", self.model.name, "orchestrator.model", "model.name")
+            if orch.model.tokenizer is None:  # the served name may be an alias; the tokenizer lives at the path
+                orch.model.tokenizer = self.model.name
+        for key in ("max_steps", "max_async_level", "seq_len"):
+            if getattr(self, key) is not None:
+                _share(trainer, key, getattr(self, key), "trainer", key)
+                _share(orch, key, getattr(self, key), "orchestrator", key)
+        if self.ckpt is not None:
+            c = self.ckpt
+            trainer.ckpt = _merge(trainer.ckpt, TrainerCheckpointConfig, "trainer.ckpt", **c.model_dump())
+            orch.ckpt = _merge(
+                orch.ckpt,
+                OrchestratorCheckpointConfig,
+                "orchestrator.ckpt",
+                interval=c.interval,
+                resume_step=c.resume_step,
+            )
+        if inf is not None:
+            url = f"http://{_client_host(inf.server.host)}:{inf.server.port}/v1"
+            _share(orch.client, "base_urls", [url], "orchestrator.client", "inference.server (host, port)")
+            if inf.server.api_key is not None:
+                _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "inference.server.api_key")
+        self._check_agreement()
+        return self
+
+    def _check_agreement(self) -> None:
+        """Fields no shared value was given for must still agree between the sections."""
+        trainer, orch, inf = self.trainer, self.orchestrator, self.inference
+        if trainer.max_async_level != orch.max_async_level:
+            raise ValueError(
+                f"trainer.max_async_level ({trainer.max_async_level}) != orchestrator.max_async_level "
+                f"({orch.max_async_level}); set the shared `max_async_level`"
+            )
+        if trainer.max_steps != orch.max_steps:
+            raise ValueError(
+                f"trainer.max_steps ({trainer.max_steps}) != orchestrator.max_steps ({orch.max_steps}); "
+                "set the shared `max_steps`"
+            )
+        if trainer.seq_len < orch.seq_len:
+            raise ValueError(
+                f"trainer.seq_len ({trainer.seq_len}) < orchestrator.seq_len ({orch.seq_len}): the trainer would "
+                "refuse the orchestrator's longest samples; set the shared `seq_len`"
+            )
+        if inf is not None and inf.model.name != trainer.model.name:
+            raise ValueError(
+                f"inference.model.name ({inf.model.name!r}) != trainer.model.name ({trainer.model.name!r}); "
+                "set the shared `model.name`"
+            )
+        if inf is not None and orch.model.name != (inf.model.served_name or inf.model.name):
+            raise ValueError(
+                f"orchestrator.model.name ({orch.model.name!r}) is not what inference serves "
+                f"({inf.model.served_name or inf.model.name!r}); set the shared `model.name`"
+            )
+        if (trainer.ckpt is None) != (orch.ckpt is None):
+            raise ValueError(
+                "checkpoints must be on for both trainer and orchestrator or neither; use the shared `ckpt`"
+            )
+        if trainer.ckpt is not None and (
+            trainer.ckpt.interval != orch.ckpt.interval or trainer.ckpt.resume_step != orch.ckpt.resume_step
+        ):
+            raise ValueError(
+                "trainer.ckpt and orchestrator.ckpt disagree on interval or resume_step; use the shared `ckpt`"
+            )
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _share(section, field: str, value, section_name: str, shared_name: str) -> None:
+    """Copy a shared value into a section, refusing a different value the user set there explicitly."""
+    current = getattr(section, field)
+    if field in section.model_fields_set and current != value:
+        raise ValueError(
+            f"{shared_name} = {value!r} contradicts {section_name}.{field} = {current!r}; set it in one place"
+        )
+    setattr(section, field, value)
+
+
+def _merge(current, cls, section_name: str, **shared):
+    """A section's checkpoint config with the shared values, refusing explicit contradictions."""
+    shared = {k: v for k, v in shared.items() if k in cls.model_fields and v is not None}
+    if current is None:
+        return cls(**shared)
+    for key, value in shared.items():
+        _share(current, key, value, section_name, f"ckpt.{key}")
+    return current
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Preflight: everything that can be wrong is found before any process starts.
+
+
+def fail(message: str) -> None:
+    """Preflight errors exit like config errors: one line, exit code 2, nothing started."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_exists(name: str) -> None:
+    """A local-looking model path that does not exist is an error now, not a traceback in three processes later."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    local_looking = name.startswith(("/", ".", "~")) or Path(name.split("/")[0]).is_dir()
+    if local_looking or os.environ.get("HF_HUB_OFFLINE") == "1":
+        fail(f"model directory {name!r} does not exist (build it, e.g. `uv run tiny-model --output {name}`)")
+
+
+def resolve_resume(config: RLConfig) -> int | None:
+    """-1 -> the latest step both trainer and orchestrator checkpointed; N -> N, which both must have."""
+    from prime_rl.trainer.ckpt import complete_steps
+
+    if config.trainer.ckpt is None or config.trainer.ckpt.resume_step is None:
+        return None
+    out = config.output_dir
+    both = sorted(set(complete_steps(out)) & set(orchestrator_ckpt.saved_steps(out)))
+    requested = config.trainer.ckpt.resume_step
+    if requested == -1:
+        if not both:
+            fail(f"--ckpt.resume-step -1: no step has both a trainer and an orchestrator checkpoint in {out}")
+        step = both[-1]
+    elif requested in both:
+        step = requested
+    else:
+        fail(f"no complete trainer + orchestrator checkpoint for step {requested} in {out} (have {both})")
+    config.trainer.ckpt.resume_step = config.orchestrator.ckpt.resume_step = step
+    return step
+
+
+def clean_stale_outputs(output_dir: Path, resume_step: int | None) -> None:
+    """Batches and weights of an earlier run would be consumed as if new: drop them (after the resumed step)."""
+    for kind in ("rollouts", "broadcasts"):
+        for path in (output_dir / kind).glob("step_*"):
+            step = path.name.removeprefix("step_").split(".")[0]
+            if resume_step is None or not step.isdigit() or int(step) > resume_step:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Processes.
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the child if `rl` itself dies (even by SIGKILL), so nothing of the run outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Process:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
+        self.name, self.cmd, self.env, self.output = name, cmd, env, output
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.output, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        logger.info(f"started {self.name} (pid {self.proc.pid}): {' '.join(self.cmd)}")
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, n: int = 20) -> str:
+        lines = self.output.read_text(errors="replace").splitlines() if self.output.exists() else []
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def stop_all(processes: list[Process], grace: float) -> None:
+    """SIGTERM every process group, wait up to `grace` seconds, SIGKILL what is left (groups outlive their leader)."""
+    for p in processes:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in processes:
+        if p.proc is not None:
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in processes:
+        p.signal(signal.SIGKILL)
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.wait()
+
+
+STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| (step \d+ \|.*)$")
+PROBLEM_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL)\s+\| \S+ \| [^|]+ \| (.*)$")
+
+
+def follow_logs(log_dir: Path, names: list[str], stop: threading.Event) -> None:
+    """Print the step lines (and warnings) of the orchestrator and trainer logs on the console."""
+    files: dict[str, object] = {}
+    while not stop.is_set():
+        for name in names:
+            if name not in files:
+                path = log_dir / f"{name}.log"
+                if not path.exists():
+                    continue
+                files[name] = open(path, errors="replace")
+            for line in files[name].readlines():
+                if m := STEP_LINE.search(line.rstrip()):
+                    print(f"[{name}] {m.group(1)}", flush=True)
+                elif m := PROBLEM_LINE.search(line.rstrip()):
+                    print(f"[{name}] {m.group(1)}: {m.group(2)}", flush=True)
+        stop.wait(0.5)
+    for f in files.values():
+        f.close()
+
+
+def write_section(config, path: Path) -> Path:
+    write_atomic(path, to_toml(config).encode())
+    return path
+
+
+def wait_healthy(server: Process, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"inference exited with code {server.poll()} before becoming healthy:\n{server.tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"inference not healthy after {timeout:.0f}s:\n{server.tail()}")
+
+
+def launch(config: RLConfig) -> int:
+    out = config.output_dir
+    log_dir = out / "logs"
+    launch_dir = out / "configs" / "rl"
+    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    processes: list[Process] = []
+
+    inference = None
+    if config.inference is not None:
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
+        if config.inference.server.api_key is not None:
+            env["PRIME_SERVER__API_KEY"] = config.inference.server.api_key.get_secret_value()
+        cfg = write_section(config.inference, launch_dir / "inference.toml")
+        inference = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
+        processes.append(inference)
+
+    orch_env = dict(base_env)
+    if config.inference is not None and config.inference.server.api_key is not None:
+        orch_env[API_KEY_VAR] = config.inference.server.api_key.get_secret_value()
+    orch_cfg = write_section(config.orchestrator, launch_dir / "orchestrator.toml")
+    orchestrator = Process(
+        "orchestrator", [str(BIN / "orchestrator"), "@", str(orch_cfg)], orch_env, log_dir / "orchestrator.out"
+    )
+    trainer_cfg = write_section(config.trainer, launch_dir / "trainer.toml")
+    ranks = len(config.trainer_gpu_ids)
+    trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    trainer_cmd += ["-m", "prime_rl.trainer.train", "@", str(trainer_cfg)]
+    trainer_env = {
+        **base_env,
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)),
+        "OMP_NUM_THREADS": "1",
+    }
+    trainer = Process("trainer", trainer_cmd, trainer_env, log_dir / "trainer.out")
+    processes += [orchestrator, trainer]
+
+    stop_following = threading.Event()
+    follower = threading.Thread(target=follow_logs, args=(log_dir, ["orchestrator", "trainer"], stop_following))
+    follower.daemon = True
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if inference is not None:
+            inference.start()
+            url = config.orchestrator.client.base_urls[0].removesuffix("/v1")
+            logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
+            deadline = time.monotonic() + config.inference_timeout
+            while True:  # wait_healthy in slices, so Ctrl-C is honoured while vLLM starts
+                if interrupted:
+                    raise KeyboardInterrupt
+                try:
+                    wait_healthy(inference, url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                    break
+                except RuntimeError:
+                    if inference.poll() is not None or time.monotonic() > deadline:
+                        raise
+            logger.info("inference is healthy")
+        orchestrator.start()
+        trainer.start()
+        follower.start()
+        while True:
+            if interrupted:
+                raise KeyboardInterrupt
+            for p in processes:
+                code = p.poll()
+                if code is None or (code == 0 and p is not inference):
+                    continue
+                what = "exited" if code == 0 else f"failed with exit code {code}"
+                logger.error(f"{p.name} {what}; stopping the run. Last lines of {p.output}:\n{p.tail()}")
+                return 1
+            if orchestrator.poll() == 0 and trainer.poll() == 0:
+                logger.success(f"run finished: trainer and orchestrator completed (output in {out})")
+                return 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        logger.warning("interrupted: stopping every process")
+        return 130
+    except RuntimeError as e:
+        logger.error(str(e))
+        return 1
+    finally:
+        stop_all(processes, config.stop_grace)
+        stop_following.set()
+        if follower.is_alive():
+            follower.join(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, _ = load_config(RLConfig, "rl", argv)
+    for name in {config.trainer.model.name, *([config.inference.model.name] if config.inference else [])}:
+        check_model_exists(name)
+    resume_step = resolve_resume(config)
+    setup_logging("rl", config.log.level, config.output_dir / "logs")
+    write_resolved_config(config, "rl")
+    clean_stale_outputs(config.output_dir, resume_step)
+    if resume_step is not None:
+        logger.info(f"resuming trainer and orchestrator from step {resume_step}")
+    sys.exit(launch(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""OrchestratorConfig: contradictions are refused with a message that names the problem."""
+
+import pytest
+from pydantic import ValidationError
+
+from prime_rl.orchestrator.config import OrchestratorConfig
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"batch_size": 10, "rollouts_per_example": 4}, "multiple of rollouts_per_example"),
+        ({"env": [{"id": "a"}, {"id": "a"}]}, "env names must be unique"),
+        ({"env": [{"id": "a", "ratio": 3}, {"id": "b"}]}, "on every environment or on none"),
+        ({"env": []}, "at least one environment"),
+        ({"advantage": {"estimator": "rloo"}, "rollouts_per_example": 1, "batch_size": 4}, "rloo needs"),
+        ({"client": {"base_urls": ["http://host:8000"]}}, "must end in /v1"),
+        ({"model": {"renderer": {"name": "no-such-renderer"}}}, "renderer"),
+        ({"oversampling": 0.5}, "oversampling"),
+    ],
+)
+def test_bad_values_are_refused(values, needle):
+    with pytest.raises(ValidationError, match=needle):
+        OrchestratorConfig(**values)
+
+
+def test_defaults_and_derived_values():
+    config = OrchestratorConfig(env=[{"id": "reverse-text", "name": "rt"}, {"id": "arithmetic"}])
+    assert config.groups_per_batch == 8  # 64 / 8
+    assert [e.display_name for e in config.env] == ["rt", "arithmetic"]
+    assert config.client.base_urls == ["http://localhost:8000/v1"]
