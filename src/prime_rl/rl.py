@@ -451,6 +451,10 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(RLConfig, "rl", argv)
     for name in {config.trainer.model.name, *([config.inference.model.name] if config.inference else [])}:
         check_model_exists(name)
+    try:
+        config.orchestrator.model.renderer_config()
+    except ValueError as e:
+        fail(str(e))
     resume_step = resolve_resume(config)
     setup_logging("rl", config.log.level, config.output_dir / "logs")
     write_resolved_config(config, "rl")

@@ -15,7 +15,6 @@ from prime_rl.orchestrator.config import OrchestratorConfig
         ({"env": []}, "at least one environment"),
         ({"advantage": {"estimator": "rloo"}, "rollouts_per_example": 1, "batch_size": 4}, "rloo needs"),
         ({"client": {"base_urls": ["http://host:8000"]}}, "must end in /v1"),
-        ({"model": {"renderer": {"name": "no-such-renderer"}}}, "renderer"),
         ({"oversampling": 0.5}, "oversampling"),
     ],
 )
@@ -29,3 +28,10 @@ def test_defaults_and_derived_values():
     assert config.groups_per_batch == 8  # 64 / 8
     assert [e.display_name for e in config.env] == ["rt", "arithmetic"]
     assert config.client.base_urls == ["http://localhost:8000/v1"]
+
+
+def test_renderer_is_validated_when_used():
+    config = OrchestratorConfig(model={"renderer": {"name": "no-such-renderer"}})
+    with pytest.raises(ValueError, match="not a valid renderers config"):
+        config.model.renderer_config()
+    assert OrchestratorConfig(model={"renderer": {"name": "qwen3"}}).model.renderer_config().name == "qwen3"

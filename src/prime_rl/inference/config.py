@@ -6,7 +6,7 @@ Anything vLLM accepts that is not here can be passed on the command line as is (
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr
 
 from prime_rl.config import BaseConfig, EntrypointConfig
 
@@ -83,11 +83,11 @@ class InferenceConfig(EntrypointConfig):
     allowed_weight_roots: list[Path] | None = None
     """Directories `/update_weights` may load from; default: `output_dir`."""
 
-    @model_validator(mode="after")
-    def _default_roots(self) -> "InferenceConfig":
-        if self.allowed_weight_roots is None:
-            self.allowed_weight_roots = [self.output_dir]
-        return self
+    @property
+    def weight_roots(self) -> list[Path]:
+        """Where weights may be loaded from: the configured roots, else `output_dir` (read late, so a launcher that
+        moves `output_dir` moves the default with it)."""
+        return self.allowed_weight_roots or [self.output_dir]
 
     def vllm_args(self) -> list[str]:
         """Our fields as vLLM CLI arguments (extra user flags are appended after these and win)."""

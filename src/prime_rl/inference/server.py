@@ -34,7 +34,7 @@ def build_vllm_args(config: InferenceConfig, extra: list[str]):
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid vLLM arguments: {e}") from None
     # Read by our endpoint plugin (prime_rl.inference.plugin) when the app state is built.
-    args.prime_weight_roots = [str(p) for p in config.allowed_weight_roots or []]
+    args.prime_weight_roots = [str(p) for p in config.weight_roots]
     return args
 
 

@@ -10,23 +10,10 @@ become the default float dtype). A group whose rewards are all equal carries no 
 and always gets advantages of exactly 0 (never NaN, never rounding noise), whatever the estimator.
 """
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-from prime_rl.config import BaseConfig
-
-
-class AdvantageConfig(BaseConfig):
-    estimator: Literal["grpo", "rloo", "opo"] = "grpo"
-    """Advantage estimator: `grpo` (group-mean baseline), `rloo` (leave-one-out mean), `opo` (length-weighted mean)."""
-
-    std_normalize: bool = False
-    """GRPO only: divide by the group's reward std (+eps); off is the Dr. GRPO mean-baseline form."""
-
-    eps: float = 1e-6
-    """Added to the group std before dividing by it (only used with `std_normalize`)."""
+from prime_rl.orchestrator.config import AdvantageConfig
 
 
 def _as_rewards(rewards: Tensor) -> Tensor:

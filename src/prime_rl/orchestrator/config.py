@@ -1,12 +1,22 @@
 """Config of the `orchestrator` entry point."""
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
-from prime_rl.orchestrator.advantage import AdvantageConfig
 from prime_rl.orchestrator.buffer import BufferConfig
+
+
+class AdvantageConfig(BaseConfig):
+    estimator: Literal["grpo", "rloo", "opo"] = "grpo"
+    """Advantage estimator: `grpo` (group-mean baseline), `rloo` (leave-one-out mean), `opo` (length-weighted mean)."""
+
+    std_normalize: bool = False
+    """GRPO only: divide by the group's reward std (+eps); off is the Dr. GRPO mean-baseline form."""
+
+    eps: float = 1e-6
+    """Added to the group std before dividing by it (only used with `std_normalize`)."""
 
 
 class ClientConfig(BaseConfig):
@@ -41,15 +51,18 @@ class ModelConfig(BaseConfig):
     """`renderers` config, e.g. `{name = "qwen3", enable_thinking = false}` (None: chosen from the model name).
     Multi-turn training wants a model-specific renderer that bridges turns, so sampled tokens are never re-tokenized."""
 
-    @field_validator("renderer")
-    @classmethod
-    def _check_renderer(cls, renderer: dict[str, Any] | None) -> dict[str, Any] | None:
-        if renderer is not None:
-            from pydantic import TypeAdapter
-            from renderers import RendererConfig
+    def renderer_config(self):
+        """The `renderers.RendererConfig` (None: auto). Validated here, not at config load: importing `renderers`
+        costs seconds (openai SDK), which `rl --dry-run` and config errors should not pay."""
+        if self.renderer is None:
+            return None
+        from pydantic import TypeAdapter, ValidationError
+        from renderers import RendererConfig
 
-            TypeAdapter(RendererConfig).validate_python(renderer)
-        return renderer
+        try:
+            return TypeAdapter(RendererConfig).validate_python(self.renderer)
+        except ValidationError as e:
+            raise ValueError(f"model.renderer {self.renderer} is not a valid renderers config: {e}") from None
 
 
 class EnvConfig(BaseConfig):

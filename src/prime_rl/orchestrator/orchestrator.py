@@ -142,6 +142,7 @@ def log_step(step: int, metrics: dict, output_dir: Path) -> None:
 
 async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
+    config.model.renderer_config()  # a bad renderer fails here, before any server or worker is touched
     tasks = load_tasks(config)
     ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
     buffer = Buffer(config.buffer, {name: len(t) for name, t in tasks.items()}, ratios)

@@ -215,8 +215,11 @@ class Scheduler:
             await self.top_up(batch)
             done = await self.workers.receive(timeout=self.config.weights_poll_interval)
             if done is not None:
+                accepted = len(self.finished)
                 self.on_done(done)
-                self.finished = [g for g in self.finished if g.version >= oldest]
+                # Only a group accepted just now can be too old: the others passed this check with the same `oldest`
+                # (re-checking them all costs a pass over every token of every finished group, per finished group).
+                self.finished[accepted:] = [g for g in self.finished[accepted:] if g.version >= oldest]
         return self._take_batch()
 
     def _groups_needed(self) -> int:

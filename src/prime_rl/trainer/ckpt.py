@@ -1,7 +1,7 @@
 """Resumable trainer checkpoints: DCP shards of model + optimizer, plus scheduler and progress.
 
-Layout: `checkpoints/step_n/trainer/` holds the DCP files, `extra.pt` (scheduler, progress) and, last,
-the `COMPLETE` marker. A checkpoint without the marker (a crash mid-save) is never resumed from.
+Layout: `checkpoints/step_n/<name>/` (`trainer` for RL, `sft` for SFT) holds the DCP files, `extra.pt`
+(scheduler, progress) and, last, the `COMPLETE` marker. A checkpoint without the marker (a crash mid-save) is never resumed from.
 DCP checkpoints are resharded on load, so a run may resume on a different number of ranks.
 """
 
@@ -9,6 +9,7 @@ import shutil
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,23 +37,26 @@ class Progress:
     """Samples trained on."""
 
 
-def step_dir(output_dir: Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step_{step}" / "trainer"
+P = TypeVar("P", bound=Progress)
 
 
-def complete_steps(output_dir: Path) -> list[int]:
-    """Steps with a finished trainer checkpoint, ascending."""
+def step_dir(output_dir: Path, step: int, name: str = "trainer") -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}" / name
+
+
+def complete_steps(output_dir: Path, name: str = "trainer") -> list[int]:
+    """Steps with a finished checkpoint of `name`, ascending."""
     steps = []
-    for path in (Path(output_dir) / "checkpoints").glob("step_*/trainer"):
+    for path in (Path(output_dir) / "checkpoints").glob(f"step_*/{name}"):
         if (path / COMPLETE).exists():
             steps.append(int(path.parent.name.split("_")[1]))
     return sorted(steps)
 
 
-def resolve_resume_step(output_dir: Path, requested: int) -> int:
+def resolve_resume_step(output_dir: Path, requested: int, name: str = "trainer") -> int:
     """-1 -> the latest complete checkpoint; N -> N, which must be complete. Warns about unfinished ones."""
-    complete = complete_steps(output_dir)
-    for path in sorted((Path(output_dir) / "checkpoints").glob("step_*/trainer")):
+    complete = complete_steps(output_dir, name)
+    for path in sorted((Path(output_dir) / "checkpoints").glob(f"step_*/{name}")):
         if not (path / COMPLETE).exists():
             logger.warning(f"skipping checkpoint {path}: it has no {COMPLETE} marker (interrupted while saving)")
     if requested == -1:
@@ -67,17 +71,18 @@ def resolve_resume_step(output_dir: Path, requested: int) -> int:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, config: CheckpointConfig, is_main: bool):
+    def __init__(self, output_dir: Path, config: CheckpointConfig, is_main: bool, name: str = "trainer"):
         self.output_dir = Path(output_dir)
         self.config = config
         self.is_main = is_main
+        self.name = name
         self.pending: Future | None = None
         # Background saves need their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if config.save_async else None
 
     def save(self, step: int, model, optimizer, scheduler, progress: Progress) -> None:
         self.wait()
-        path = step_dir(self.output_dir, step)
+        path = step_dir(self.output_dir, step, self.name)
         if self.is_main and path.exists():
             shutil.rmtree(path)  # a stale, unfinished attempt at the same step
         dist.barrier()
@@ -108,23 +113,25 @@ class CheckpointManager:
     def _prune(self, latest: int) -> None:
         if self.config.keep_last is None:
             return
-        steps = complete_steps(self.output_dir)
+        steps = complete_steps(self.output_dir, self.name)
         keep = set(steps[-self.config.keep_last :])
         if self.config.keep_interval:
             keep |= {s for s in steps if s % self.config.keep_interval == 0}
         for step in steps:
             if step not in keep and step < latest:
-                shutil.rmtree(step_dir(self.output_dir, step), ignore_errors=True)
-                parent = step_dir(self.output_dir, step).parent
+                shutil.rmtree(step_dir(self.output_dir, step, self.name), ignore_errors=True)
+                parent = step_dir(self.output_dir, step, self.name).parent
                 if parent.exists() and not any(parent.iterdir()):
                     parent.rmdir()
 
-    def load(self, step: int, model, optimizer, scheduler) -> Progress:
-        path = step_dir(self.output_dir, step)
+    def load(self, step: int, model, optimizer, scheduler, progress_type: type[P] = Progress) -> P:
+        """Restore model, optimizer and scheduler in place; returns the saved progress as `progress_type`
+        (a `Progress` subclass when the entry point records more, e.g. SFT's data position)."""
+        path = step_dir(self.output_dir, step, self.name)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
         extra = torch.load(path / "extra.pt", weights_only=False)
         scheduler.load_state_dict(extra["scheduler"])
-        return Progress(**extra["progress"])
+        return progress_type(**extra["progress"])

@@ -1,12 +1,144 @@
 """Config of the `trainer` entry point."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
-from prime_rl.trainer.loss import LossConfig
-from prime_rl.trainer.optim import AdamWConfig, ConstantSchedulerConfig, OptimizerConfig, SchedulerConfig
+
+
+class LossConfig(BaseConfig):
+    objective: Literal["aipo", "grpo", "gspo", "cispo"] = "aipo"
+    """Policy objective: truncated IS REINFORCE, token PPO clip, sequence PPO clip, or clipped-weight REINFORCE."""
+
+    delta: float = Field(2.0, gt=0)
+    """aipo: truncation of the importance weight, min(r, delta)."""
+
+    eps_low: float = Field(0.2, ge=0)
+    """grpo/cispo: lower clip of the ratio at 1 - eps_low."""
+
+    eps_high: float = Field(0.28, ge=0)
+    """grpo/cispo: upper clip of the ratio at 1 + eps_high (DAPO clip-higher)."""
+
+    gspo_eps_low: float = Field(3e-4, ge=0)
+    """gspo: lower clip of the sequence ratio at 1 - gspo_eps_low (GSPO paper value)."""
+
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    """gspo: upper clip of the sequence ratio at 1 + gspo_eps_high (GSPO paper value)."""
+
+    token_mask_low: float = 0.125
+    """Drop a loss token whose ratio r is below this."""
+
+    token_mask_high: float = 8.0
+    """Drop a loss token whose ratio r is above this."""
+
+    geo_mask_low: float = 0.1
+    """Drop a whole sample whose geometric-mean ratio over its loss tokens is below this."""
+
+    geo_mask_high: float = 10.0
+    """Drop a whole sample whose geometric-mean ratio over its loss tokens is above this."""
+
+    sequence_mask_low: float = 0.0
+    """Drop a whole sample if the smallest ratio among its loss tokens is below this (0 disables)."""
+
+    sequence_mask_high: float = 100.0
+    """Drop a whole sample if the largest ratio among its loss tokens is above this."""
+
+    kl_tau: float = Field(0.0, ge=0)
+    """Strength of the pull towards the sampling policy: advantages become A - kl_tau * log r (0 disables)."""
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> "LossConfig":
+        for name in ("token_mask", "geo_mask", "sequence_mask"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if not low < high:
+                raise ValueError(f"{name}_low ({low}) must be < {name}_high ({high})")
+        return self
+
+
+class AdamWConfig(BaseConfig):
+    type: Literal["adamw"] = "adamw"
+    """Optimizer kind (selects this section)."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay (AdamW style), applied to every parameter."""
+
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates."""
+
+    max_norm: float = Field(1.0, ge=0)
+    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
+
+
+class SGDConfig(BaseConfig):
+    type: Literal["sgd"] = "sgd"
+    """Optimizer kind (selects this section)."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """L2 penalty added to the gradient (coupled, as in torch SGD)."""
+
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """Momentum factor; 0 is plain SGD."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum (needs `momentum > 0`)."""
+
+    max_norm: float = Field(1.0, ge=0)
+    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "SGDConfig":
+        # torch raises only when the optimizer is built; fail at config load instead.
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov=true needs momentum > 0 (set nesterov=false for plain SGD)")
+        return self
+
+
+OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="type")]
+
+
+class ConstantSchedulerConfig(BaseConfig):
+    type: Literal["constant"] = "constant"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup before the constant learning rate; 0 starts at full lr."""
+
+
+class LinearSchedulerConfig(BaseConfig):
+    type: Literal["linear"] = "linear"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(10, ge=0)
+    """Steps of linear warmup at the start."""
+
+    decay_steps: int = Field(10, ge=0)
+    """Last steps of the run over which the lr falls linearly to `min_lr` (reached on the final step)."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate of the final step; must not exceed the optimizer's `lr`."""
+
+
+class CosineSchedulerConfig(BaseConfig):
+    type: Literal["cosine"] = "cosine"
+    """Schedule kind (selects this section)."""
+
+    warmup_steps: int = Field(10, ge=0)
+    """Steps of linear warmup at the start."""
+
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate of the final step, where the cosine ends; must not exceed the optimizer's `lr`."""
+
+
+SchedulerConfig = Annotated[
+    ConstantSchedulerConfig | LinearSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")
+]
 
 
 class ModelConfig(BaseConfig):

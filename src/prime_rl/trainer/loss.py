@@ -12,62 +12,11 @@ data-parallel ranks gives exactly the gradient of one big batch, however the sam
 """
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 from torch import Tensor
 
-from prime_rl.config import BaseConfig
-
-
-class LossConfig(BaseConfig):
-    objective: Literal["aipo", "grpo", "gspo", "cispo"] = "aipo"
-    """Policy objective: truncated IS REINFORCE, token PPO clip, sequence PPO clip, or clipped-weight REINFORCE."""
-
-    delta: float = Field(2.0, gt=0)
-    """aipo: truncation of the importance weight, min(r, delta)."""
-
-    eps_low: float = Field(0.2, ge=0)
-    """grpo/cispo: lower clip of the ratio at 1 - eps_low."""
-
-    eps_high: float = Field(0.28, ge=0)
-    """grpo/cispo: upper clip of the ratio at 1 + eps_high (DAPO clip-higher)."""
-
-    gspo_eps_low: float = Field(3e-4, ge=0)
-    """gspo: lower clip of the sequence ratio at 1 - gspo_eps_low (GSPO paper value)."""
-
-    gspo_eps_high: float = Field(4e-4, ge=0)
-    """gspo: upper clip of the sequence ratio at 1 + gspo_eps_high (GSPO paper value)."""
-
-    token_mask_low: float = 0.125
-    """Drop a loss token whose ratio r is below this."""
-
-    token_mask_high: float = 8.0
-    """Drop a loss token whose ratio r is above this."""
-
-    geo_mask_low: float = 0.1
-    """Drop a whole sample whose geometric-mean ratio over its loss tokens is below this."""
-
-    geo_mask_high: float = 10.0
-    """Drop a whole sample whose geometric-mean ratio over its loss tokens is above this."""
-
-    sequence_mask_low: float = 0.0
-    """Drop a whole sample if the smallest ratio among its loss tokens is below this (0 disables)."""
-
-    sequence_mask_high: float = 100.0
-    """Drop a whole sample if the largest ratio among its loss tokens is above this."""
-
-    kl_tau: float = Field(0.0, ge=0)
-    """Strength of the pull towards the sampling policy: advantages become A - kl_tau * log r (0 disables)."""
-
-    @model_validator(mode="after")
-    def _bounds_are_ordered(self) -> "LossConfig":
-        for name in ("token_mask", "geo_mask", "sequence_mask"):
-            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
-            if not low < high:
-                raise ValueError(f"{name}_low ({low}) must be < {name}_high ({high})")
-        return self
+from prime_rl.trainer.config import LossConfig
 
 
 def importance_log_ratio(trainer_logprobs: Tensor, inference_logprobs: Tensor) -> Tensor:

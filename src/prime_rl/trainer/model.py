@@ -1,13 +1,29 @@
 """Load a Hugging Face causal LM and shard it with FSDP2."""
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from prime_rl.trainer.config import ModelConfig
 from prime_rl.trainer.distributed import World
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class SetupError(Exception):
+    """A setting that cannot work on this machine."""
+
+
+def check_device(config: ModelConfig, device: torch.device) -> None:
+    """Fail before loading anything when the model settings need hardware this process does not have."""
+    if config.cpu_offload and device.type != "cuda":
+        raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
+
+
+def stored_dtype(config: ModelConfig) -> torch.dtype:
+    """Dtype of the checkpoint (per its config): exported weights go back to it; bfloat16 when it is unusable."""
+    arch = AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    return arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
 def load_model(config: ModelConfig, seed: int) -> PreTrainedModel:
@@ -48,6 +64,13 @@ def shard_model(model: PreTrainedModel, config: ModelConfig, world: World) -> Pr
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Every rank's loss is already divided by the whole step's token count, so gradients must be
+            # summed over ranks; FSDP's default averages (divides by the world size). Gloo has no
+            # PREMUL_SUM, hence the plain-sum collectives.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     if not config.cpu_offload:
         model.to(world.device)
     return model

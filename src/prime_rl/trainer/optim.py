@@ -20,98 +20,19 @@ last `scheduler.step()`, which must not fail.
 
 import math
 from collections.abc import Iterable
-from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, model_validator
 from torch.distributed.tensor import DTensor
 
-from prime_rl.config import BaseConfig
-
-
-class AdamWConfig(BaseConfig):
-    type: Literal["adamw"] = "adamw"
-    """Optimizer kind (selects this section)."""
-
-    lr: float = Field(1e-6, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
-
-    weight_decay: float = Field(0.01, ge=0)
-    """Decoupled weight decay (AdamW style), applied to every parameter."""
-
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
-    """Decay rates of the first and second moment estimates."""
-
-    max_norm: float = Field(1.0, ge=0)
-    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
-
-
-class SGDConfig(BaseConfig):
-    type: Literal["sgd"] = "sgd"
-    """Optimizer kind (selects this section)."""
-
-    lr: float = Field(1e-6, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
-
-    weight_decay: float = Field(0.0, ge=0)
-    """L2 penalty added to the gradient (coupled, as in torch SGD)."""
-
-    momentum: float = Field(0.9, ge=0, lt=1)
-    """Momentum factor; 0 is plain SGD."""
-
-    nesterov: bool = True
-    """Use Nesterov momentum (needs `momentum > 0`)."""
-
-    max_norm: float = Field(1.0, ge=0)
-    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> "SGDConfig":
-        # torch raises only when the optimizer is built; fail at config load instead.
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov=true needs momentum > 0 (set nesterov=false for plain SGD)")
-        return self
-
-
-OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="type")]
-
-
-class ConstantSchedulerConfig(BaseConfig):
-    type: Literal["constant"] = "constant"
-    """Schedule kind (selects this section)."""
-
-    warmup_steps: int = Field(0, ge=0)
-    """Steps of linear warmup before the constant learning rate; 0 starts at full lr."""
-
-
-class LinearSchedulerConfig(BaseConfig):
-    type: Literal["linear"] = "linear"
-    """Schedule kind (selects this section)."""
-
-    warmup_steps: int = Field(10, ge=0)
-    """Steps of linear warmup at the start."""
-
-    decay_steps: int = Field(10, ge=0)
-    """Last steps of the run over which the lr falls linearly to `min_lr` (reached on the final step)."""
-
-    min_lr: float = Field(0.0, ge=0)
-    """Learning rate of the final step; must not exceed the optimizer's `lr`."""
-
-
-class CosineSchedulerConfig(BaseConfig):
-    type: Literal["cosine"] = "cosine"
-    """Schedule kind (selects this section)."""
-
-    warmup_steps: int = Field(10, ge=0)
-    """Steps of linear warmup at the start."""
-
-    min_lr: float = Field(0.0, ge=0)
-    """Learning rate of the final step, where the cosine ends; must not exceed the optimizer's `lr`."""
-
-
-SchedulerConfig = Annotated[
-    ConstantSchedulerConfig | LinearSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")
-]
+from prime_rl.trainer.config import (
+    AdamWConfig,
+    ConstantSchedulerConfig,
+    CosineSchedulerConfig,
+    LinearSchedulerConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    SGDConfig,
+)
 
 
 def build_optimizer(params: Iterable[torch.Tensor] | Iterable[dict], config: OptimizerConfig) -> torch.optim.Optimizer:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from loguru import logger
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from prime_rl.batch import BatchError, TrainingSample, batch_path, read_batch, validate_batch, wait_for_batch
 from prime_rl.config.loader import load_config, write_resolved_config
@@ -25,7 +25,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object, init_distributed
 from prime_rl.trainer.logprobs import shifted_logprobs
 from prime_rl.trainer.loss import compute_loss
-from prime_rl.trainer.model import load_model, shard_model
+from prime_rl.trainer.model import SetupError, check_device, load_model, shard_model, stored_dtype
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
 from prime_rl.trainer.perf import (
@@ -149,16 +149,10 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
-class SetupError(Exception):
-    """A setting that cannot work on this machine."""
-
-
 def run(config: TrainerConfig, world: World) -> None:
-    if config.model.cpu_offload and world.device.type != "cuda":
-        raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
+    check_device(config.model, world.device)
     torch.manual_seed(config.seed)
-    arch = AutoConfig.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    publish_dtype = arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+    publish_dtype = stored_dtype(config.model)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
     model = shard_model(load_model(config.model, config.seed), config.model, world)
     model.config.dtype = publish_dtype

@@ -22,6 +22,11 @@ def broadcast_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "broadcasts" / f"step_{step}"
 
 
+def weights_dir(output_dir: Path, step: int) -> Path:
+    """Where `sft` exports the weights of `step` for `from_pretrained` and the inference server."""
+    return Path(output_dir) / "weights" / f"step_{step}"
+
+
 def full_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Unsharded weights on rank 0's CPU (a collective: every rank must call it); empty on other ranks."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -1,0 +1,86 @@
+"""Config of the `sft` entry point (supervised fine-tuning on chat data)."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.trainer.config import CheckpointConfig, ModelConfig
+from prime_rl.trainer.optim import AdamWConfig, ConstantSchedulerConfig, OptimizerConfig, SchedulerConfig, lr_at
+
+
+class LossMaskConfig(BaseConfig):
+    system: bool = False
+    """Train on the tokens of system messages."""
+
+    user: bool = False
+    """Train on the tokens of user messages."""
+
+    assistant: bool = True
+    """Train on the tokens of assistant messages (content, tool calls and the end-of-turn token)."""
+
+    tool: bool = False
+    """Train on the tokens of tool results."""
+
+
+class ChatDataConfig(BaseConfig):
+    type: Literal["chat"] = "chat"
+    """Data kind (selects this section)."""
+
+    name: str = "PrimeIntellect/Reverse-Text-SFT"
+    """A local `.jsonl`/`.parquet` file or a directory of them, else a Hugging Face dataset id (needs `datasets`).
+    Rows hold `prompt` and `completion` (OpenAI message lists) and optionally `tools`."""
+
+    split: str = "train"
+    """Split to load from a Hugging Face dataset (local files are a single split)."""
+
+    shuffle: bool = True
+    """Visit the examples in a new seeded order every epoch (else in file order)."""
+
+    loss_mask: LossMaskConfig = LossMaskConfig()
+    """Which roles' tokens are trained on; template scaffolding that opens an assistant turn never is."""
+
+
+class FakeDataConfig(BaseConfig):
+    type: Literal["fake"] = "fake"
+    """Data kind (selects this section): `batch_size` rows of `seq_len` random tokens per step, for benchmarks."""
+
+
+DataConfig = Annotated[ChatDataConfig | FakeDataConfig, Field(discriminator="type")]
+
+
+class SFTConfig(EntrypointConfig):
+    model: ModelConfig = ModelConfig()
+    """The model to fine-tune."""
+
+    data: DataConfig = ChatDataConfig()
+    """Training data (`type = "chat"` or `"fake"`)."""
+
+    optim: OptimizerConfig = AdamWConfig()
+    """Optimizer (`type = "adamw"` or `"sgd"`)."""
+
+    scheduler: SchedulerConfig = ConstantSchedulerConfig()
+    """Learning-rate schedule (`type = "constant"`, `"linear"` or `"cosine"`)."""
+
+    ckpt: CheckpointConfig | None = None
+    """Resumable checkpoints, including the position in the data (`--ckpt` enables with defaults)."""
+
+    batch_size: int = Field(32, ge=1)
+    """Samples per optimizer step (skipped samples are replaced by the next ones)."""
+
+    seq_len: int = Field(2048, ge=2)
+    """Maximum tokens per packed row; longer samples are skipped."""
+
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to run; the final weights are exported after the last one."""
+
+    weights_interval: int | None = Field(None, ge=1)
+    """Also export `weights/step_n` every this many steps (None: only after the last step)."""
+
+    seed: int = 0
+    """Seed of the data order (reshuffled per epoch), random initialisation and fake data."""
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "SFTConfig":
+        lr_at(0, self.optim.lr, self.scheduler, self.max_steps)  # a schedule longer than the run fails at load
+        return self

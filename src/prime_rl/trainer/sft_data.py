@@ -1,0 +1,272 @@
+"""SFT data: chat examples -> token ids with a per-token loss mask, served in a seeded, resumable order.
+
+An example is a row with `prompt` and `completion` (OpenAI message lists) and optionally `tools`. The
+conversation is rendered with the model's chat template, then the loss mask is built message by message:
+the template is rendered up to the end of each message, and the characters each rendering adds belong to
+that message's role. Right before an assistant message the preceding turns are rendered with the generation
+prompt, so the scaffold that opens the turn (`<|im_start|>assistant\n`) is its own, never trained, span; the
+model only learns what it would have to generate itself, up to and including its end-of-turn token.
+Working on characters and tokenizing the whole text once (with offsets) keeps the ids exactly those of
+`apply_chat_template`, even where BPE merges tokens across a span boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from jinja2 import TemplateError
+from loguru import logger
+
+from prime_rl.batch import TrainingSample
+from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A dataset or example that cannot be trained on; the message names the file or the example."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_number}: not valid JSON: {e}") from None
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
+
+
+def _load_hub(name: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"data.name={name!r} is not a local file or directory; loading it from the Hugging Face hub "
+            "needs the `datasets` package (`uv pip install datasets`), or point data.name at .jsonl/.parquet files"
+        ) from None
+    return datasets.load_dataset(name, split=split)  # a map-style dataset: len() and rows by index
+
+
+def load_examples(config: ChatDataConfig) -> Sequence[dict]:
+    """All rows of a local file or directory (files in name order), else of a hub dataset split."""
+    path = Path(config.name).expanduser()
+    looks_local = path.suffix in READERS or config.name.startswith(("/", ".", "~"))
+    if not path.exists():
+        if looks_local:
+            raise DataError(f"data.name={config.name!r}: no such file or directory")
+        examples = _load_hub(config.name, config.split)
+    else:
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in READERS)
+        if not files or any(file.suffix not in READERS for file in files):
+            raise DataError(f"{path}: expected a .jsonl or .parquet file, or a directory holding some")
+        examples = [row for file in files for row in READERS[file.suffix](file)]
+    if len(examples) == 0:
+        raise DataError(f"data.name={config.name!r} holds no examples")
+    return examples
+
+
+def _drop_nones(value):
+    """Parquet (and hub datasets) give every message every key seen in the column, unset ones as None;
+    dropping them makes a row read the same whatever file format it came from."""
+    if isinstance(value, dict):
+        return {k: _drop_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nones(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation and loss mask
+# ---------------------------------------------------------------------------------------------
+
+
+def _messages_and_tools(example: dict, name: str) -> tuple[list[dict], list[dict] | None]:
+    example = _drop_nones(example)
+    messages = []
+    for column in ("prompt", "completion"):
+        value = example.get(column)
+        if not isinstance(value, list):
+            raise DataError(f"{name}: `{column}` must be a list of messages, got {type(value).__name__}")
+        messages.extend(value)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise DataError(f"{name}: message {i} needs a role out of {ROLES}, got {message!r:.200}")
+    tools = example.get("tools")
+    if isinstance(tools, str):  # often stored as a JSON string: tool schemas do not fit one Parquet type
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{name}: `tools` is not valid JSON: {e}") from None
+    return messages, tools or None
+
+
+def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it is trained on.
+
+    A consecutive run of tool results is one span (templates such as Qwen3's wrap the run in one turn).
+    The first token is never trained (nothing predicts it), nor are tokens of a trained message that come
+    after its last end-of-turn token (ChatML's "\\n" after `<|im_end|>`: generation stops before it).
+    """
+    messages, tools = _messages_and_tools(example, name)
+
+    def render(count: int, generation_prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages[:count], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except TemplateError as e:
+            raise DataError(f"{name}: the chat template failed on the first {count} messages: {e}") from None
+
+    spans: list[tuple[str, bool]] = []  # (rendering that ends the span, trained?)
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant":
+            spans.append((render(i, generation_prompt=True), False))
+        if role == "tool" and i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
+            continue
+        spans.append((render(i + 1), getattr(roles, role)))
+    text = spans[-1][0]
+    ends = []
+    for k, (prefix, _) in enumerate(spans):
+        if not text.startswith(prefix) or (ends and len(prefix) < ends[-1]):
+            raise DataError(
+                f"{name}: the chat template rewrites earlier turns (rendering up to span {k} is not a prefix of "
+                "the whole conversation), so a per-message loss mask cannot be built; use a template that only "
+                "appends (Qwen3's, for one, drops the reasoning of earlier assistant turns)"
+            )
+        ends.append(len(prefix))
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = encoding["input_ids"]
+    # A token belongs to the span its first character is in.
+    span_of = [bisect.bisect_right(ends, start) for start, _ in encoding["offset_mapping"]]
+    mask = [spans[k][1] for k in span_of]
+    last_end_token = {
+        k: t for t, (token, k) in enumerate(zip(ids, span_of, strict=True)) if token == tokenizer.eos_token_id
+    }
+    for t, k in enumerate(span_of):
+        if k in last_end_token and t > last_end_token[k]:
+            mask[t] = False
+    if mask:
+        mask[0] = False
+    return ids, mask
+
+
+def sft_sample(token_ids: list[int], loss_mask: list[bool]) -> TrainingSample:
+    """A packable sample: the RL-only per-token fields are zeros."""
+    n = len(token_ids)
+    return TrainingSample(token_ids=token_ids, loss_mask=loss_mask, inference_logprobs=[0.0] * n, advantages=[0.0] * n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Order
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_order(num_examples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The example ids of one epoch, in visiting order: a permutation drawn from (seed, epoch) alone."""
+    if not shuffle:
+        return list(range(num_examples))
+    return np.random.default_rng([seed, epoch]).permutation(num_examples).tolist()
+
+
+@dataclass
+class DataState:
+    """Where the example stream stands; saved in checkpoints so a resumed run reads on from the same example."""
+
+    epoch: int = 0
+    """Epoch of the next example."""
+    index: int = 0
+    """Examples of that epoch's order already read (used or skipped)."""
+    skipped_too_long: int = 0
+    """Examples read so far that were longer than `seq_len`."""
+    skipped_no_loss: int = 0
+    """Examples read so far without a single trained token."""
+
+
+class ChatStream:
+    """Tokenized samples epoch after epoch; each epoch visits every example once, in `epoch_order`.
+
+    `state` says where the stream stands; set it from a checkpoint to continue a run's stream exactly.
+    """
+
+    def __init__(self, examples: Sequence[dict], tokenizer, config: ChatDataConfig, seq_len: int, seed: int):
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError("sft needs a fast tokenizer (character offsets of tokens build the loss mask)")
+        self.examples, self.tokenizer, self.config = examples, tokenizer, config
+        self.seq_len, self.seed = seq_len, seed
+        self.state = DataState()
+        self._order: tuple[int, list[int]] | None = None  # (epoch, order), cached
+
+    def _next_id(self) -> int:
+        if self.state.index >= len(self.examples):
+            self.state.epoch += 1
+            self.state.index = 0
+        if self._order is None or self._order[0] != self.state.epoch:
+            order = epoch_order(len(self.examples), self.state.epoch, self.seed, self.config.shuffle)
+            self._order = (self.state.epoch, order)
+        self.state.index += 1
+        return self._order[1][self.state.index - 1]
+
+    def take(self, count: int) -> tuple[list[TrainingSample], list[int]]:
+        """The next `count` usable samples and their example ids; unusable examples are skipped and counted."""
+        samples, ids = [], []
+        skipped_in_a_row = 0
+        while len(samples) < count:
+            example_id = self._next_id()
+            name = f"example {example_id} of {self.config.name}"
+            token_ids, loss_mask = tokenize_example(
+                self.tokenizer, self.examples[example_id], self.config.loss_mask, name
+            )
+            if len(token_ids) > self.seq_len or not any(loss_mask):
+                too_long = len(token_ids) > self.seq_len
+                if too_long:
+                    self.state.skipped_too_long += 1
+                else:
+                    self.state.skipped_no_loss += 1
+                reason = f"{len(token_ids)} tokens > seq_len={self.seq_len}" if too_long else "no trained token"
+                if (self.state.skipped_too_long if too_long else self.state.skipped_no_loss) == 1:
+                    logger.warning(f"skipping {name}: {reason} (further skips are counted in the step lines)")
+                else:
+                    logger.debug(f"skipping {name}: {reason}")
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self.examples):
+                    raise DataError(
+                        f"no usable example in {self.config.name}: every one is longer than seq_len={self.seq_len} "
+                        f"or has no trained token (loss_mask: {self.config.loss_mask.model_dump()})"
+                    )
+                continue
+            skipped_in_a_row = 0
+            samples.append(sft_sample(token_ids, loss_mask))
+            ids.append(example_id)
+        return samples, ids
+
+
+def fake_samples(seed: int, step: int, count: int, seq_len: int, vocab_size: int) -> list[TrainingSample]:
+    """`count` rows of `seq_len` random tokens, all trained but the first; a function of (seed, step)."""
+    rng = np.random.default_rng([seed, step])
+    rows = rng.integers(0, vocab_size, size=(count, seq_len)).tolist()
+    return [sft_sample(row, [False] + [True] * (seq_len - 1)) for row in rows]
