@@ -228,9 +228,15 @@ def test_unrelated_prime_env_vars_are_ignored(monkeypatch, capsys):
 def _shipped_configs():
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.sft_config import SFTConfig
 
     root = Path(__file__).parents[2] / "configs"
-    classes = {"inference": InferenceConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig}
+    classes = {
+        "inference": InferenceConfig,
+        "trainer": TrainerConfig,
+        "orchestrator": OrchestratorConfig,
+        "sft": SFTConfig,
+    }
     return [(p, classes[p.parent.name]) for p in sorted(root.glob("*/*.toml"))]
 
 

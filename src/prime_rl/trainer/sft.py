@@ -164,12 +164,12 @@ def run(config: SFTConfig, world: World) -> None:
     if ckpt is not None and config.ckpt.resume_step is not None:
         step = resolve_resume_step(config.output_dir, config.ckpt.resume_step, name="sft")
         progress = ckpt.load(step, model, optimizer, scheduler, SFTProgress)
+        logger.info(f"resumed from step {progress.step} ({progress.samples} samples, {progress.tokens} tokens)")
         if stream is not None:
             stream.state = DataState(**asdict(progress.data))
-        logger.info(
-            f"resumed from step {progress.step} ({progress.samples} samples); the data stream continues at "
-            f"epoch {progress.data.epoch}, example {progress.data.index} of its order"
-        )
+            logger.info(
+                f"the data continues at epoch {progress.data.epoch}, example {progress.data.index} of its order"
+            )
 
     n_flops = flops_per_token(model.config, config.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(world.device)) if world.device.type == "cuda" else None

@@ -5,8 +5,14 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
-from prime_rl.trainer.config import CheckpointConfig, ModelConfig
-from prime_rl.trainer.optim import AdamWConfig, ConstantSchedulerConfig, OptimizerConfig, SchedulerConfig, lr_at
+from prime_rl.trainer.config import (
+    AdamWConfig,
+    CheckpointConfig,
+    ConstantSchedulerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
 
 
 class LossMaskConfig(BaseConfig):
@@ -28,8 +34,7 @@ class ChatDataConfig(BaseConfig):
     """Data kind (selects this section)."""
 
     name: str = "PrimeIntellect/Reverse-Text-SFT"
-    """A local `.jsonl`/`.parquet` file or a directory of them, else a Hugging Face dataset id (needs `datasets`).
-    Rows hold `prompt` and `completion` (OpenAI message lists) and optionally `tools`."""
+    """Local .jsonl/.parquet file or directory of them, else a hub dataset id; rows: `prompt`, `completion`, [`tools`]."""
 
     split: str = "train"
     """Split to load from a Hugging Face dataset (local files are a single split)."""
@@ -82,5 +87,8 @@ class SFTConfig(EntrypointConfig):
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "SFTConfig":
+        # Imported here: config modules load without torch (the `rl` launcher reads them), optim needs it.
+        from prime_rl.trainer.optim import lr_at
+
         lr_at(0, self.optim.lr, self.scheduler, self.max_steps)  # a schedule longer than the run fails at load
         return self

@@ -111,6 +111,8 @@ def _messages_and_tools(example: dict, name: str) -> tuple[list[dict], list[dict
         if not isinstance(value, list):
             raise DataError(f"{name}: `{column}` must be a list of messages, got {type(value).__name__}")
         messages.extend(value)
+    if not messages:
+        raise DataError(f"{name}: no messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise DataError(f"{name}: message {i} needs a role out of {ROLES}, got {message!r:.200}")
@@ -140,22 +142,22 @@ def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str)
         except TemplateError as e:
             raise DataError(f"{name}: the chat template failed on the first {count} messages: {e}") from None
 
-    spans: list[tuple[str, bool]] = []  # (rendering that ends the span, trained?)
+    spans: list[tuple[str, bool, int]] = []  # (rendering that ends the span, trained?, messages rendered)
     for i, message in enumerate(messages):
         role = message["role"]
         if role == "assistant":
-            spans.append((render(i, generation_prompt=True), False))
+            spans.append((render(i, generation_prompt=True), False, i))
         if role == "tool" and i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
             continue
-        spans.append((render(i + 1), getattr(roles, role)))
+        spans.append((render(i + 1), getattr(roles, role), i + 1))
     text = spans[-1][0]
     ends = []
-    for k, (prefix, _) in enumerate(spans):
+    for prefix, _, count in spans:
         if not text.startswith(prefix) or (ends and len(prefix) < ends[-1]):
             raise DataError(
-                f"{name}: the chat template rewrites earlier turns (rendering up to span {k} is not a prefix of "
-                "the whole conversation), so a per-message loss mask cannot be built; use a template that only "
-                "appends (Qwen3's, for one, drops the reasoning of earlier assistant turns)"
+                f"{name}: the chat template rewrites earlier turns (the first {count} of {len(messages)} messages "
+                "render differently once the later ones follow), so a per-message loss mask cannot be built; use "
+                "a template that only appends (Qwen3's, for one, drops the reasoning of earlier assistant turns)"
             )
         ends.append(len(prefix))
 
@@ -216,6 +218,8 @@ class ChatStream:
     def __init__(self, examples: Sequence[dict], tokenizer, config: ChatDataConfig, seq_len: int, seed: int):
         if not getattr(tokenizer, "is_fast", False):
             raise DataError("sft needs a fast tokenizer (character offsets of tokens build the loss mask)")
+        if not tokenizer.chat_template:
+            raise DataError("the model's tokenizer has no chat template to render the conversations with")
         self.examples, self.tokenizer, self.config = examples, tokenizer, config
         self.seq_len, self.seed = seq_len, seed
         self.state = DataState()

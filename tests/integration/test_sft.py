@@ -1,0 +1,150 @@
+"""The real `sft` under torchrun (gloo, 2 CPU ranks) on a tiny model and a procedural reverse-text chat dataset."""
+
+import json
+import os
+import random
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("model") / "tiny", dtype="float32"))
+
+
+def reverse_example(rng: random.Random) -> dict:
+    text = "".join(rng.choices(string.ascii_lowercase[:8], k=rng.randint(3, 6)))
+    return {
+        "prompt": [{"role": "user", "content": f"Reverse: {text}"}],
+        "completion": [{"role": "assistant", "content": text[::-1]}],
+    }
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    """24 usable examples (an epoch is 3 steps of 8) plus one too long and one with nothing to train."""
+    rng = random.Random(0)
+    rows = [reverse_example(rng) for _ in range(24)]
+    rows.insert(5, {"prompt": [{"role": "user", "content": "a b " * 100}], "completion": [rows[0]["completion"][0]]})
+    rows.insert(11, {"prompt": [{"role": "user", "content": "hello"}], "completion": []})
+    path = tmp_path_factory.mktemp("data") / "reverse.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def sft(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc: int = 2, check: bool = True):
+    if nproc == 1:
+        cmd = [str(Path(sys.executable).parent / "sft")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += ["-m", "prime_rl.trainer.sft"]
+    cmd += ["--model.name", str(model_dir), "--model.dtype", "float32"]
+    cmd += ["--data.type", "fake"] if data is None else ["--data.name", str(data)]
+    cmd += ["--output-dir", str(output_dir), "--seq-len", "128", "--batch-size", "8", "--optim.lr", "3e-3", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def metrics(output_dir: Path) -> dict[int, dict]:
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["process"] == "sft" for line in lines)
+    return {line["step"]: line for line in lines}
+
+
+def nll(model_path: Path, tokenizer, example: dict) -> float:
+    """Mean negative log-likelihood of the reply's tokens (after the generation prompt) under a saved model."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template(example["prompt"], add_generation_prompt=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(example["prompt"] + example["completion"])["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return -logp[len(prompt) - 1 : -1].mean().item()  # up to <|im_end|>, without the "\n" after it
+
+
+def test_loss_falls_weights_load_and_resume_continues_the_data_stream(model_dir, data_file, tmp_path):
+    straight = tmp_path / "straight"
+    sft(
+        model_dir, data_file, straight, "--max-steps", "12", "--ckpt", "--ckpt.interval", "4", "--weights-interval", "6"
+    )
+    steps = metrics(straight)
+    assert sorted(steps) == list(range(1, 13))
+
+    # Loss: a random-init model starts near ln(vocab) ~ 6.2 nats per token. Half of the trained tokens (the
+    # empty think block, <|im_end|>) are the same in every reply and are learned within a few steps, so the
+    # mean of the last three steps must be well below that of the first three: a run that learned nothing
+    # moves by the step-to-step noise (~0.2), a working one by several nats.
+    first = sum(steps[s]["loss"] for s in (1, 2, 3)) / 3
+    last = sum(steps[s]["loss"] for s in (10, 11, 12)) / 3
+    assert last < first - 1.5, (first, last)
+
+    # The data stream: 3 steps of 8 samples use up the 24 usable examples of an epoch, and the two unusable
+    # ones are skipped and counted once per epoch (the fourth epoch's maybe not yet, if they come last).
+    assert [steps[s]["epoch"] for s in (3, 4, 6, 7, 12)] == [0, 1, 1, 2, 3]
+    assert 3 <= steps[12]["skipped_too_long"] <= 4 and 3 <= steps[12]["skipped_no_loss"] <= 4
+    assert all(steps[s]["samples"] == 8 for s in steps)
+
+    # Exported weights load as a plain HF model and are the trained ones: the reply got more likely.
+    tokenizer = AutoTokenizer.from_pretrained(straight / "weights" / "step_12")
+    example = reverse_example(random.Random(99))
+    base_nll = nll(model_dir, tokenizer, example)
+    assert nll(straight / "weights" / "step_6", tokenizer, example) < base_nll
+    assert nll(straight / "weights" / "step_12", tokenizer, example) < base_nll - 1.0
+    assert not (straight / "weights" / "step_4").exists()
+
+    # Resume at step 4 (as if the run had stopped there): steps 5-8 must see the same data as the straight
+    # run, and, with the same weights, optimizer state, data and world size on deterministic CPU kernels,
+    # give the same losses. They are expected bit-identical; 1e-6 relative leaves room for nothing but float
+    # rounding, while one example out of place changes a step's loss by > 1e-2.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    proc = sft(model_dir, data_file, resumed, "--max-steps", "8", "--ckpt", "--ckpt.resume-step", "-1")
+    assert "resumed from step 4" in proc.stderr
+    again = metrics(resumed)
+    assert sorted(again) == [5, 6, 7, 8]
+    for step in again:
+        for key in ("epoch", "data_index", "skipped_too_long", "skipped_no_loss", "tokens", "loss_tokens"):
+            assert again[step][key] == steps[step][key], (step, key)
+        assert again[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-6), step
+
+
+def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size(model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = sft(model_dir, None, one, "--max-steps", "2", nproc=1)
+    sft(model_dir, None, two, "--max-steps", "1")
+    a, b = metrics(one), metrics(two)
+    assert sorted(a) == [1, 2] and sorted(b) == [1]
+    assert a[1]["tokens"] == 8 * 128 and a[1]["loss_tokens"] == 8 * 127
+    assert "step 2/2 | loss" in proc.stderr and "tok/s" in proc.stderr
+    assert (one / "weights" / "step_2" / "model.safetensors").exists()
+    # Same rows (fake data is a function of seed and step), split over 2 ranks: each rank's loss is divided by
+    # the whole step's token count, so the gradients must be summed over ranks, not averaged (FSDP's default,
+    # which would halve the norm). Only the fp32 summation order differs.
+    assert b[1]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
+    assert b[1]["grad_norm"] == pytest.approx(a[1]["grad_norm"], rel=1e-4)
+
+
+def test_history_rewriting_template_stops_every_rank_with_the_sample_named(model_dir, tmp_path):
+    rows = [reverse_example(random.Random(i)) for i in range(3)]
+    two_turns = rows[0]["prompt"] + rows[0]["completion"] + rows[1]["prompt"]  # Qwen3 re-renders turn 1
+    rows.append({"prompt": two_turns, "completion": rows[1]["completion"]})
+    data = tmp_path / "two_turns.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = sft(model_dir, data, tmp_path / "out", "--data.shuffle", "false", "--max-steps", "1", check=False)
+    assert proc.returncode != 0
+    assert f"example 3 of {data}: the chat template rewrites earlier turns" in proc.stderr
+    assert proc.stderr.count("sft stopped:") == 1  # once, from rank 0, and no traceback through our code
+    assert "prime_rl/trainer/sft" not in proc.stderr

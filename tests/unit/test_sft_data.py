@@ -1,0 +1,224 @@
+"""SFT data: loss masks from real chat templates, JSONL/Parquet loading, and the resumable epoch order."""
+
+import importlib.util
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.trainer.sft import token_cross_entropy
+from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
+from prime_rl.trainer.sft_data import ChatStream, DataError, DataState, epoch_order, load_examples, tokenize_example
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {
+        family: AutoTokenizer.from_pretrained(build_tiny_model(TinyModelConfig(output=root / family, family=family)))
+        for family in ("qwen3", "llama")
+    }
+
+
+def chat(*turns: tuple[str, str], system: str | None = None) -> dict:
+    """prompt = system + all but the last assistant reply; completion = the last reply."""
+    messages = [{"role": "system", "content": system}] if system else []
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return {"prompt": messages[:-1], "completion": messages[-1:]}
+
+
+def trained_spans(tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
+    """The decoded text of each run of consecutive trained tokens."""
+    spans, run = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            run.append(token)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans + ([tokenizer.decode(run)] if run else [])
+
+
+TWO_TURNS = chat(("Reverse: abcde", "edcba"), ("Reverse: xyz", "zyx"))
+
+
+def test_two_turn_mask_is_exactly_the_assistant_replies_and_their_end_tokens(tokenizers):
+    tok = tokenizers["llama"]
+    ids, mask = tokenize_example(tok, TWO_TURNS, LossMaskConfig(), "two turns")
+    assert ids == tok.apply_chat_template(TWO_TURNS["prompt"] + TWO_TURNS["completion"])["input_ids"]
+    # From the ids alone: a turn is <|start_header_id|> role <|end_header_id|> "\n\n" body <|eot_id|>; the body
+    # of an assistant turn and its <|eot_id|> are trained, nothing else (not the header that opens the turn).
+    header, end_header, eot = tok.convert_tokens_to_ids(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    newline = tok.encode("\n", add_special_tokens=False)
+    expected = [False] * len(ids)
+    for start in [i for i, token in enumerate(ids) if token == header]:
+        close = ids.index(end_header, start)
+        assert ids[close + 1 : close + 3] == newline * 2
+        stop = ids.index(eot, close)
+        if tok.decode(ids[start + 1 : close]) == "assistant":
+            expected[close + 3 : stop + 1] = [True] * (stop - close - 2)
+    assert mask == expected
+    assert trained_spans(tok, ids, mask) == ["edcba<|eot_id|>", "zyx<|eot_id|>"]
+
+
+def test_chatml_mask_skips_the_generation_scaffold_and_the_newline_after_the_end_token(tokenizers):
+    tok = tokenizers["qwen3"]
+    example = chat(("Reverse: abcde", "edcba"), system="Be brief.")
+    ids, mask = tokenize_example(tok, example, LossMaskConfig(), "one turn")
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    last_turn = max(i for i, token in enumerate(ids) if token == im_start)
+    think = ids.index(tok.convert_tokens_to_ids("<think>"), last_turn)  # Qwen3 opens the reply with a think block
+    assert tok.decode(ids[last_turn:think]) == "<|im_start|>assistant\n"  # the scaffold: prompt, not trained
+    assert ids[-2:] == [im_end, *tok.encode("\n", add_special_tokens=False)]
+    assert mask == [False] * think + [True] * (len(ids) - 1 - think) + [False]
+    assert trained_spans(tok, ids, mask) == ["<think>\n\n</think>\n\nedcba<|im_end|>"]
+
+
+def test_roles_to_train_are_configurable(tokenizers):
+    tok = tokenizers["llama"]
+    example = chat(("Reverse: ab", "ba"), system="Be brief.")
+    ids, mask = tokenize_example(tok, example, LossMaskConfig(user=True, assistant=False), "roles")
+    assert trained_spans(tok, ids, mask) == ["<|start_header_id|>user<|end_header_id|>\n\nReverse: ab<|eot_id|>"]
+    ids, mask = tokenize_example(tok, example, LossMaskConfig(system=True), "roles")
+    # The first token (<|begin_of_text|>) is never trained: nothing predicts it.
+    assert trained_spans(tok, ids, mask) == [
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>",
+        "ba<|eot_id|>",
+    ]
+    tools = {
+        "prompt": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "Calling."},
+            {"role": "tool", "content": "4"},
+            {"role": "tool", "content": "ok"},
+        ],
+        "completion": [{"role": "assistant", "content": "It is 4."}],
+    }
+    ids, mask = tokenize_example(tok, tools, LossMaskConfig(assistant=False, tool=True), "tools")
+    assert trained_spans(tok, ids, mask) == [
+        "<|start_header_id|>tool<|end_header_id|>\n\n4<|eot_id|><|start_header_id|>tool<|end_header_id|>\n\nok<|eot_id|>"
+    ]
+
+
+def test_template_that_rewrites_history_is_an_error_naming_the_sample(tokenizers):
+    # Qwen3's template gives only the last assistant turn an (empty) think block, so turn 1 renders differently
+    # once turn 2 exists: no per-message mask is possible.
+    with pytest.raises(DataError, match="example 7 of data.jsonl: the chat template rewrites earlier turns"):
+        tokenize_example(tokenizers["qwen3"], TWO_TURNS, LossMaskConfig(), "example 7 of data.jsonl")
+
+
+def test_malformed_example_names_the_sample(tokenizers):
+    bad = {"prompt": [{"role": "narrator", "content": "x"}], "completion": []}
+    with pytest.raises(DataError, match="example 3: message 0 needs a role"):
+        tokenize_example(tokenizers["llama"], bad, LossMaskConfig(), "example 3")
+    with pytest.raises(DataError, match="`completion` must be a list"):
+        tokenize_example(tokenizers["llama"], {"prompt": []}, LossMaskConfig(), "example 4")
+
+
+ROWS = [
+    chat(("Reverse: abc", "cba"), system="Be brief."),
+    {
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "completion": [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}],
+            }
+        ],
+        "tools": json.dumps([{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]),
+    },
+    chat(("Reverse: xy", "yx")),
+]
+
+
+def test_jsonl_and_parquet_give_the_same_samples(tokenizers, tmp_path):
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in ROWS) + "\n")
+    parquet_dir = tmp_path / "parquet"
+    parquet_dir.mkdir()
+    # Two files, read in name order. Parquet gives every row every key of its column (tool_calls, tools): None
+    # where a row had none. (Columns, not `from_pylist`, which would take the columns of the first row only.)
+    for name, rows in (("part-0", ROWS[:2]), ("part-1", ROWS[2:])):
+        columns = {key: [row.get(key) for row in rows] for key in ("prompt", "completion", "tools")}
+        pq.write_table(pa.table(columns), parquet_dir / f"{name}.parquet")
+    from_jsonl = load_examples(ChatDataConfig(name=str(jsonl)))
+    from_parquet = load_examples(ChatDataConfig(name=str(parquet_dir)))
+    assert len(from_jsonl) == len(from_parquet) == 3
+    assert from_parquet[0]["completion"][0].get("tool_calls", "missing") is None  # the files do differ
+    tok = tokenizers["qwen3"]
+    for i, (a, b) in enumerate(zip(from_jsonl, from_parquet, strict=True)):
+        sample = tokenize_example(tok, a, LossMaskConfig(), f"example {i}")
+        assert sample == tokenize_example(tok, b, LossMaskConfig(), f"example {i}")
+        assert any(sample[1])
+    ids, _ = tokenize_example(tok, from_parquet[1], LossMaskConfig(), "tools")
+    assert '"name": "calc"' in tok.decode(ids)  # tools and tool calls survived the round trip
+
+
+def test_missing_files_and_hub_names_fail_clearly(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_examples(ChatDataConfig(name=str(tmp_path / "nope.jsonl")))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": []}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        load_examples(ChatDataConfig(name=str(tmp_path / "bad.jsonl")))
+    if importlib.util.find_spec("datasets") is None:
+        with pytest.raises(DataError, match="needs the `datasets` package"):
+            load_examples(ChatDataConfig(name="some-org/some-dataset"))
+
+
+def test_epoch_order_is_a_seeded_permutation_per_epoch():
+    orders = [epoch_order(50, epoch, seed=3, shuffle=True) for epoch in range(3)]
+    assert all(sorted(order) == list(range(50)) for order in orders)
+    assert orders[0] != orders[1] != orders[2]
+    assert orders[1] == epoch_order(50, 1, seed=3, shuffle=True)
+    assert orders[0] != epoch_order(50, 0, seed=4, shuffle=True)
+    assert epoch_order(5, 2, seed=3, shuffle=False) == [0, 1, 2, 3, 4]
+
+
+def test_stream_resumes_exactly_and_skips_unusable_examples(tokenizers):
+    tok = tokenizers["llama"]
+    examples = [chat((f"Reverse: {'ab' * (i % 4 + 1)}", "x" * (i % 4 + 1))) for i in range(10)]
+    examples[2] = chat(("Reverse: " + "a b " * 40, "b a " * 40))  # longer than seq_len
+    examples[5] = {"prompt": [{"role": "user", "content": "hi"}], "completion": []}  # nothing to train
+    config = ChatDataConfig(name="mem")
+
+    def stream() -> ChatStream:
+        return ChatStream(examples, tok, config, seq_len=64, seed=1)
+
+    straight = stream()
+    ids = [straight.take(3)[1] for _ in range(7)]  # 21 usable samples: into the third epoch of 8 usable ones
+    epochs = [epoch_order(10, e, seed=1, shuffle=True) for e in range(3)]
+    assert [i for step in ids for i in step] == [i for e in epochs for i in e if i not in (2, 5)][:21]
+    assert straight.state.epoch == 2
+    consumed = epochs[0] + epochs[1] + epochs[2][: straight.state.index]  # the last one read was used
+    assert consumed[-1] == ids[-1][-1]
+    assert (straight.state.skipped_too_long, straight.state.skipped_no_loss) == (consumed.count(2), consumed.count(5))
+
+    first = stream()
+    for _ in range(4):
+        first.take(3)
+    saved = DataState(**vars(first.state))  # what a checkpoint after step 4 holds
+    resumed = stream()
+    resumed.state = saved
+    assert [resumed.take(3)[1] for _ in range(3)] == ids[4:]
+    assert resumed.state == straight.state
+
+
+def test_stream_with_nothing_usable_is_an_error(tokenizers):
+    examples = [{"prompt": [{"role": "user", "content": "hi"}], "completion": []}] * 3
+    with pytest.raises(DataError, match="no usable example"):
+        ChatStream(examples, tokenizers["llama"], ChatDataConfig(name="mem"), seq_len=64, seed=0).take(1)
+
+
+def test_token_cross_entropy_by_hand():
+    """Token t is scored by logits[t-1]; only loss tokens count, and a sample's first token never is one."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [2.0, 2.0, 0.0]])
+    ids = torch.tensor([2, 1, 0, 1])
+    mask = torch.tensor([False, True, False, True])
+    expected = -torch.log_softmax(logits[0], -1)[1] - torch.log_softmax(logits[2], -1)[1]
+    torch.testing.assert_close(token_cross_entropy(logits, ids, mask), expected)
