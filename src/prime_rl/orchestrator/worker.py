@@ -349,8 +349,9 @@ def worker_main(config_json: str, index: int, address: str, log_dir: str | None,
 
     config = OrchestratorConfig.model_validate_json(config_json)
     setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
-    # verifiers logs every rollout and its interception server every request: file only, and only when debugging.
-    for name in ("verifiers", "uvicorn.access"):
+    # verifiers logs every rollout and its interception server (aiohttp) every request: file only, and only when
+    # debugging (an access line per model turn also cost ~3% of a worker's CPU).
+    for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     install_version_capture()
     cache_default_factory_signatures()
