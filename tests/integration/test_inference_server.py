@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 LOGPROB_ATOL = 0.05
 
 
-@pytest.fixture(scope="session", params=["tied", "untied"])
+@pytest.fixture(scope="module", params=["tied", "untied"])
 def server(request, tmp_path_factory):
     if request.param == "tied":
         yield request.getfixturevalue("tied_server")
