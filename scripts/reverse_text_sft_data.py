@@ -1,18 +1,27 @@
-"""Write a reverse-text SFT dataset (prompt/completion chat rows) as JSONL, to try `sft` without a hub.
+"""Write reverse-text SFT conversations (prompt/completion chat rows, JSONL) from the `reverse-text` taskset itself.
 
     uv run python scripts/reverse_text_sft_data.py [--output outputs/reverse-text-sft.jsonl] [--num 2000] [--seed 0]
 
-Each row asks to reverse a random lowercase string of 5-10 letters and answers with the reversed string,
-the same task (and system prompt) as the bundled `reverse-text` environment.
+Each row is one task of the bundled environment (same system prompt, same user message) answered with its
+reference answer, so SFT trains exactly the conversation format that RL and eval later use. `--seed` picks
+the taskset's generator seed; evaluate on a different seed to hold tasks out.
 """
 
 import argparse
 import json
-import random
-import string
 from pathlib import Path
 
-SYSTEM_PROMPT = "Reverse the text. Reply with the reversed text only."
+from reverse_text import ReverseTextConfig, ReverseTextTaskset
+
+
+def sft_rows(config: ReverseTextConfig) -> list[dict]:
+    rows = []
+    for task in ReverseTextTaskset(config).load():
+        data = task.data
+        prompt = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        prompt.append({"role": "user", "content": data.prompt})
+        rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": data.answer}]})
+    return rows
 
 
 def main() -> None:
@@ -20,18 +29,19 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("outputs/reverse-text-sft.jsonl"))
     parser.add_argument("--num", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alphabet", default=None, help="characters of the strings (taskset default: a-z)")
+    parser.add_argument("--min-len", type=int, default=None)
+    parser.add_argument("--max-len", type=int, default=None)
     args = parser.parse_args()
-    rng = random.Random(args.seed)
+    overrides = {"alphabet": args.alphabet, "min_len": args.min_len, "max_len": args.max_len}
+    config = ReverseTextConfig(num_tasks=args.num, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None})
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w") as f:
-        for _ in range(args.num):
-            text = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(5, 10)))
-            row = {
-                "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}],
-                "completion": [{"role": "assistant", "content": text[::-1]}],
-            }
+    tmp = args.output.with_name(args.output.name + ".tmp")
+    with open(tmp, "w") as f:
+        for row in sft_rows(config):
             f.write(json.dumps(row) + "\n")
-    print(f"wrote {args.num} examples to {args.output}")
+    tmp.replace(args.output)
+    print(f"wrote {args.num} reverse-text conversations (seed {args.seed}) to {args.output}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     uv run rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --max-steps 20
 
 Before anything starts, the shared top-level fields (model, max_steps, max_async_level, seq_len, output_dir,
-ckpt) are copied into the three sections and contradictions are refused. Then: clean stale rollouts and
+ckpt, wandb) are copied into the three sections and contradictions are refused. Then: clean stale rollouts and
 weights (or those after the resumed step), start inference and wait until it is healthy, start the
 orchestrator and the `torchrun` trainer. Every process runs in its own process group and logs to
 `{output_dir}/logs/`; the console follows the orchestrator's and trainer's step lines. When any process
@@ -14,18 +14,15 @@ non-zero naming the process, its exit code and the end of its output.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
 from loguru import logger
 from pydantic import Field, model_validator
 
@@ -39,6 +36,8 @@ from prime_rl.trainer.config import CheckpointConfig as TrainerCheckpointConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.monitor_config import WandbConfig
+from prime_rl.utils.processes import Process, stop_all, wait_healthy
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 BIN = Path(sys.executable).parent
@@ -88,6 +87,9 @@ class RLConfig(EntrypointConfig):
     ckpt: SharedCheckpointConfig | None = None
     """Shared checkpoints (`--ckpt` enables with defaults)."""
 
+    wandb: WandbConfig | None = None
+    """Shared W&B logging: runs `<name>-trainer` and `<name>-orchestrator` in one group (`--wandb` enables)."""
+
     trainer_gpu_ids: list[int] = [1]
     """GPUs of the trainer (CUDA_VISIBLE_DEVICES); also the number of trainer ranks (on CPU only the count is used)."""
 
@@ -121,14 +123,19 @@ class RLConfig(EntrypointConfig):
                 _share(orch, key, getattr(self, key), "orchestrator", key)
         if self.ckpt is not None:
             c = self.ckpt
-            trainer.ckpt = _merge(trainer.ckpt, TrainerCheckpointConfig, "trainer.ckpt", **c.model_dump())
+            trainer.ckpt = _merge(trainer.ckpt, TrainerCheckpointConfig, "trainer.ckpt", "ckpt", **c.model_dump())
             orch.ckpt = _merge(
                 orch.ckpt,
                 OrchestratorCheckpointConfig,
                 "orchestrator.ckpt",
+                "ckpt",
                 interval=c.interval,
                 resume_step=c.resume_step,
             )
+        if self.wandb is not None:
+            shared = self.wandb.model_dump(include=self.wandb.model_fields_set)  # defaults don't override sections
+            trainer.wandb = _merge(trainer.wandb, WandbConfig, "trainer.wandb", "wandb", **shared)
+            orch.wandb = _merge(orch.wandb, WandbConfig, "orchestrator.wandb", "wandb", **shared)
         if inf is not None:
             url = f"http://{_client_host(inf.server.host)}:{inf.server.port}/v1"
             _share(orch.client, "base_urls", [url], "orchestrator.client", "inference.server (host, port)")
@@ -191,13 +198,13 @@ def _share(section, field: str, value, section_name: str, shared_name: str) -> N
     setattr(section, field, value)
 
 
-def _merge(current, cls, section_name: str, **shared):
-    """A section's checkpoint config with the shared values, refusing explicit contradictions."""
+def _merge(current, cls, section_name: str, shared_name: str, **shared):
+    """A section's sub-config (e.g. `ckpt`) with the shared values, refusing explicit contradictions."""
     shared = {k: v for k, v in shared.items() if k in cls.model_fields and v is not None}
     if current is None:
         return cls(**shared)
     for key, value in shared.items():
-        _share(current, key, value, section_name, f"ckpt.{key}")
+        _share(current, key, value, section_name, f"{shared_name}.{key}")
     return current
 
 
@@ -252,65 +259,7 @@ def clean_stale_outputs(output_dir: Path, resume_step: int | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Processes.
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM the child if `rl` itself dies (even by SIGKILL), so nothing of the run outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class Process:
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
-        self.name, self.cmd, self.env, self.output = name, cmd, env, output
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.output, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        logger.info(f"started {self.name} (pid {self.proc.pid}): {' '.join(self.cmd)}")
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def tail(self, n: int = 20) -> str:
-        lines = self.output.read_text(errors="replace").splitlines() if self.output.exists() else []
-        return "\n".join(lines[-n:])
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-def stop_all(processes: list[Process], grace: float) -> None:
-    """SIGTERM every process group, wait up to `grace` seconds, SIGKILL what is left (groups outlive their leader)."""
-    for p in processes:
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in processes:
-        if p.proc is not None:
-            try:
-                p.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    for p in processes:
-        p.signal(signal.SIGKILL)
-        if p.proc is not None and p.proc.poll() is None:
-            p.proc.wait()
+# Logs.
 
 
 STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| (step \d+ \|.*)$")
@@ -340,20 +289,6 @@ def follow_logs(log_dir: Path, names: list[str], stop: threading.Event) -> None:
 def write_section(config, path: Path) -> Path:
     write_atomic(path, to_toml(config).encode())
     return path
-
-
-def wait_healthy(server: Process, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"inference exited with code {server.poll()} before becoming healthy:\n{server.tail()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"inference not healthy after {timeout:.0f}s:\n{server.tail()}")
 
 
 def launch(config: RLConfig) -> int:

@@ -6,6 +6,7 @@ from pydantic import Field, field_validator, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
 from prime_rl.orchestrator.buffer import BufferConfig
+from prime_rl.utils.monitor_config import WandbConfig
 
 
 class AdvantageConfig(BaseConfig):
@@ -65,7 +66,9 @@ class ModelConfig(BaseConfig):
             raise ValueError(f"model.renderer {self.renderer} is not a valid renderers config: {e}") from None
 
 
-class EnvConfig(BaseConfig):
+class EnvSpec(BaseConfig):
+    """Which verifiers environment to load; shared by the orchestrator, `eval` and `synthesize`."""
+
     id: str = "reverse-text"
     """verifiers taskset id: an importable module (`reverse-text` imports `reverse_text`)."""
 
@@ -78,12 +81,14 @@ class EnvConfig(BaseConfig):
     name: str | None = None
     """Name in metrics and logs (default: `id`); must be unique across environments."""
 
-    ratio: float | None = Field(None, gt=0)
-    """Share of groups drawn from this environment (normalised over all); None everywhere: by number of tasks."""
-
     @property
     def display_name(self) -> str:
         return self.name or self.id
+
+
+class EnvConfig(EnvSpec):
+    ratio: float | None = Field(None, gt=0)
+    """Share of groups drawn from this environment (normalised over all); None everywhere: by number of tasks."""
 
 
 class SamplingConfig(BaseConfig):
@@ -106,6 +111,17 @@ class CheckpointConfig(BaseConfig):
 
     resume_step: int | None = Field(None, ge=-1)
     """Resume from this step's checkpoint; -1 = the latest complete one; None = start fresh."""
+
+
+class LogExtrasConfig(BaseConfig):
+    interval: int = Field(10, ge=1)
+    """Log the extras every this many steps (they are larger than the per-step metrics)."""
+
+    samples: bool = True
+    """A table of 8 rollouts (env, prompt, completion, reward, advantage): W&B and `{output_dir}/tables.jsonl`."""
+
+    distributions: bool = True
+    """Distributions of rewards, advantages and sequence lengths: W&B histograms, summary stats in metrics.jsonl."""
 
 
 class OrchestratorConfig(EntrypointConfig):
@@ -132,6 +148,12 @@ class OrchestratorConfig(EntrypointConfig):
 
     ckpt: CheckpointConfig | None = None
     """Checkpoints of progress and buffer (`--ckpt` enables with defaults)."""
+
+    wandb: WandbConfig | None = None
+    """Also log to W&B, as run `<name>-orchestrator` (`--wandb` enables with defaults)."""
+
+    log_extras: LogExtrasConfig = LogExtrasConfig()
+    """Samples and distributions logged every `interval` steps."""
 
     batch_size: int = Field(64, ge=1)
     """Rollouts (samples) per step; a multiple of `rollouts_per_example`."""

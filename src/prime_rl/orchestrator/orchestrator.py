@@ -13,7 +13,6 @@ import itertools
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from loguru import logger
@@ -23,15 +22,18 @@ from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import compute_advantages
 from prime_rl.orchestrator.buffer import Buffer
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.worker import RolloutWorkers, load_env
 from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.metrics import append_metrics
+from prime_rl.utils.monitor import Monitor
 
 MAX_TASKS = 1_000_000
 """Tasks taken from an infinite (procedural) taskset."""
+
+SAMPLE_ROWS = 8
+"""Rollouts in the samples table of the log extras."""
 
 
 def load_tasks(config: OrchestratorConfig) -> dict[str, list[dict]]:
@@ -128,7 +130,7 @@ class LoopLagMonitor:
         return {"event_loop_lag/max": max(samples), "event_loop_lag/mean": statistics.fmean(samples)}
 
 
-def log_step(step: int, metrics: dict, output_dir: Path) -> None:
+def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     logger.info(
         f"step {step} | reward {metrics['reward/mean']:.4f} | seq {metrics['seq_len/mean']:.0f} | "
         f"{metrics['tokens_per_s']:.0f} tok/s {metrics['rollouts_per_s']:.1f} rollouts/s | "
@@ -137,7 +139,26 @@ def log_step(step: int, metrics: dict, output_dir: Path) -> None:
         f"errors {metrics['errors']} dropped {metrics['dropped/stale'] + metrics['dropped/too_long']} "
         f"filtered {metrics['filtered']}"
     )
-    append_metrics(output_dir, "orchestrator", step, metrics)
+    monitor.log(step, metrics)
+
+
+def log_extras(step: int, groups: list[Group], advantages: list[float], monitor: Monitor, config: LogExtrasConfig):
+    """A few rollouts spread over the batch as a table, and the batch's distributions (the per-step metrics
+    only keep means, which hide a bimodal reward or a long tail of lengths)."""
+    rollouts = [(g, r) for g in groups for r in g.rollouts]  # in the order of `advantages`
+    if config.samples:
+        every = max(1, len(rollouts) // SAMPLE_ROWS)
+        rows = [
+            [g.env, r.prompt, r.completion, r.reward, a]
+            for (g, r), a in list(zip(rollouts, advantages, strict=True))[::every][:SAMPLE_ROWS]
+        ]
+        monitor.log_table(step, "samples", ["env", "prompt", "completion", "reward", "advantage"], rows)
+    if config.distributions:
+        monitor.log_distribution(step, "distribution/reward", [r.reward for _, r in rollouts])
+        monitor.log_distribution(step, "distribution/advantage", advantages)
+        monitor.log_distribution(
+            step, "distribution/seq_len", [len(s.token_ids) for _, r in rollouts for s in r.samples]
+        )
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
@@ -153,6 +174,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         buffer.load_state_dict(buffer_state)
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
 
+    monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"))
     servers = InferenceServers(config.client.base_urls, config.client.api_key_var, config.client.timeout, output_dir)
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
     lag = LoopLagMonitor()
@@ -187,7 +209,9 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )
             metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
-            log_step(step, metrics, output_dir)
+            log_step(step, metrics, monitor)
+            if step % config.log_extras.interval == 0:
+                log_extras(step, groups, advantages, monitor, config.log_extras)
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
             if config.ckpt is not None and step % config.ckpt.interval == 0:
@@ -196,6 +220,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         lag_task.cancel()
         await workers.close()
         await servers.close()
+        monitor.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,10 @@ class RolloutResult(msgspec.Struct):
     prompt: str = ""
     completion: str = ""
     seconds: float = 0.0
+    messages: list[dict] | None = None
+    """The final branch's conversation as OpenAI chat messages (only when the worker keeps them: `synthesize`)."""
+    tools: list[dict] | None = None
+    """The tools offered to the model, OpenAI function schemas (with `messages`)."""
 
 
 class GroupDone(msgspec.Struct, tag=True):
@@ -193,7 +197,16 @@ def _text(message) -> str:
     return content if isinstance(content, str) else ""
 
 
-def rollout_result(trace, seconds: float) -> RolloutResult:
+def chat_message(message) -> dict:
+    return message.model_dump(mode="json", exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+
+
+def tool_schema(tool) -> dict:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return {"type": "function", "function": function}
+
+
+def rollout_result(trace, seconds: float, keep_messages: bool = False) -> RolloutResult:
     """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text."""
     error, retryable = _error_of(trace)
     versions = _captured.pop(trace.id, {})
@@ -217,15 +230,17 @@ def rollout_result(trace, seconds: float) -> RolloutResult:
         prompt=prompt[:2000],
         completion=(trace.last_reply or "")[:2000],
         seconds=seconds,
+        messages=[chat_message(m) for m in messages] if keep_messages else None,
+        tools=[tool_schema(t) for t in trace.tools] or None if keep_messages else None,
     )
 
 
-def episode_results(episode, seconds: float) -> list[RolloutResult]:
+def episode_results(episode, seconds: float, keep_messages: bool = False) -> list[RolloutResult]:
     traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
     if not traces:
         errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
         return [RolloutResult(reward=0.0, samples=[], error=errors[:500], retryable=False, seconds=seconds)]
-    results = [rollout_result(t, seconds) for t in traces]
+    results = [rollout_result(t, seconds, keep_messages) for t in traces]
     if not episode.ok and episode.errors:
         # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
         message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
@@ -239,7 +254,7 @@ def episode_results(episode, seconds: float) -> list[RolloutResult]:
 
 
 class Worker:
-    def __init__(self, config, index: int):
+    def __init__(self, config, index: int, keep_messages: bool = False):
         import verifiers.v1 as vf
 
         self.vf, self.config, self.index = vf, config, index
@@ -260,7 +275,7 @@ class Worker:
             sampling["seed"] = config.sampling.seed
         self.sampling = vf.SamplingConfig(**sampling)
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
-        self.tasks_built: dict[str, Any] = {}
+        self.keep_messages = keep_messages
         self.max_lag = 0.0
 
     def build_task(self, env_name: str, data: dict):
@@ -281,7 +296,7 @@ class Worker:
                 episode = await env.run_episode(task, ctx)
             except Exception as e:  # the episode boundary records hook failures; this is a last resort
                 return [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
-            return episode_results(episode, time.perf_counter() - start)
+            return episode_results(episode, time.perf_counter() - start, self.keep_messages)
 
         groups = await asyncio.gather(*(one() for _ in range(request.n)))
         lag, self.max_lag = self.max_lag, 0.0

@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.utils.monitor_config import WandbConfig
 
 
 class LossConfig(BaseConfig):
@@ -211,6 +212,9 @@ class TrainerConfig(EntrypointConfig):
 
     ckpt: CheckpointConfig | None = None
     """Resumable checkpoints (`--ckpt` enables with defaults)."""
+
+    wandb: WandbConfig | None = None
+    """Also log to W&B, as run `<name>-trainer` (`--wandb` enables with defaults)."""
 
     bench: BenchConfig | None = None
     """Benchmark on fake data instead of training on rollouts (`--bench` enables); prints a summary table."""

@@ -31,7 +31,7 @@ from prime_rl.trainer.sft_data import ChatStream, DataError, DataState, fake_sam
 from prime_rl.trainer.train import all_reduce_sums
 from prime_rl.trainer.weights import full_state_dict, save_hf_dir, weights_dir
 from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.metrics import append_metrics
+from prime_rl.utils.monitor import Monitor, MonitorError
 
 
 @dataclass
@@ -136,19 +136,25 @@ def main(argv: list[str] | None = None) -> None:
         logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
     if world.is_main:
         write_resolved_config(config, "sft")
+    monitor = None
     try:
-        run(config, world)
-    except (DataError, FileNotFoundError, SetupError) as e:
+        if world.is_main:
+            monitor = Monitor(config.output_dir, "sft", config.wandb, config.model_dump(mode="json"))
+        run(config, world, monitor)
+    except (DataError, FileNotFoundError, SetupError, MonitorError) as e:
         # Bad data or settings: every rank raises the same message; print it once, without a traceback.
         if world.is_main:
             logger.error(f"sft stopped: {e}")
         raise SystemExit(1) from None
     finally:
+        if monitor is not None:
+            monitor.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(config: SFTConfig, world: World) -> None:
+def run(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
+    """Fine-tune for `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
     check_device(config.model, world.device)
     torch.manual_seed(config.seed)
     export_dtype = stored_dtype(config.model)
@@ -226,12 +232,12 @@ def run(config: SFTConfig, world: World) -> None:
             "time_save": t_save,
         }
         if world.is_main:
-            log_step(step, config.max_steps, metrics, info["examples"], config.output_dir)
+            log_step(step, config.max_steps, metrics, info["examples"], monitor)
     if ckpt is not None:
         ckpt.wait()
 
 
-def log_step(step: int, max_steps: int, metrics: dict, examples: int | None, output_dir: Path) -> None:
+def log_step(step: int, max_steps: int, metrics: dict, examples: int | None, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
     data = f" | epoch {metrics['epoch']} ({metrics['data_index']}/{examples})" if examples is not None else ""
     skipped = metrics["skipped_too_long"] + metrics["skipped_no_loss"]
@@ -243,7 +249,7 @@ def log_step(step: int, max_steps: int, metrics: dict, examples: int | None, out
         f"{data} | data {metrics['time_data']:.2f}s train {metrics['time_train']:.2f}s save {metrics['time_save']:.2f}s"
         f" | mem {metrics['peak_memory_gib']:.2f} GiB"
     )
-    append_metrics(output_dir, "sft", step, metrics)
+    monitor.log(step, metrics)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from prime_rl.trainer.config import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from prime_rl.utils.monitor_config import WandbConfig
 
 
 class LossMaskConfig(BaseConfig):
@@ -69,6 +70,9 @@ class SFTConfig(EntrypointConfig):
 
     ckpt: CheckpointConfig | None = None
     """Resumable checkpoints, including the position in the data (`--ckpt` enables with defaults)."""
+
+    wandb: WandbConfig | None = None
+    """Also log to W&B, as run `<name>-sft` (`--wandb` enables with defaults)."""
 
     batch_size: int = Field(32, ge=1)
     """Samples per optimizer step (skipped samples are replaced by the next ones)."""

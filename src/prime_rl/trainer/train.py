@@ -11,7 +11,6 @@ scheduler step -> publish `broadcasts/step_n` (pi_n) -> maybe checkpoint.
 import math
 import random
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from prime_rl.trainer.perf import (
 )
 from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
 from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.metrics import append_metrics
+from prime_rl.utils.monitor import Monitor, MonitorError
 
 
 def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
@@ -137,19 +136,25 @@ def main(argv: list[str] | None = None) -> None:
         logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
     if world.is_main:
         write_resolved_config(config, "trainer")
+    monitor = None
     try:
-        run(config, world)
-    except (BatchError, FileNotFoundError, SetupError) as e:
+        if world.is_main:
+            monitor = Monitor(config.output_dir, "trainer", config.wandb, config.model_dump(mode="json"))
+        run(config, world, monitor)
+    except (BatchError, FileNotFoundError, SetupError, MonitorError) as e:
         # Bad input or settings: every rank raises the same message; print it once, without a traceback.
         if world.is_main:
             logger.error(f"trainer stopped: {e}")
         raise SystemExit(1) from None
     finally:
+        if monitor is not None:
+            monitor.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(config: TrainerConfig, world: World) -> None:
+def run(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
+    """Train until `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
     check_device(config.model, world.device)
     torch.manual_seed(config.seed)
     publish_dtype = stored_dtype(config.model)
@@ -213,7 +218,7 @@ def run(config: TrainerConfig, world: World) -> None:
         meter.update(t_train, info["tokens"], int(sums["processed_tokens"]))
         metrics = step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub)
         if world.is_main:
-            log_step(step, metrics, config.output_dir)
+            log_step(step, metrics, monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
     if ckpt is not None:
         ckpt.wait()
@@ -247,7 +252,7 @@ def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data,
     return metrics
 
 
-def log_step(step: int, metrics: dict, output_dir: Path) -> None:
+def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
     logger.info(
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
@@ -256,7 +261,7 @@ def log_step(step: int, metrics: dict, output_dir: Path) -> None:
         f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
     )
-    append_metrics(output_dir, "trainer", step, metrics)
+    monitor.log(step, metrics)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""Configs of the `eval` and `synthesize` entry points (torch-free, like every config module)."""
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from prime_rl.config import EntrypointConfig
+from prime_rl.inference.config import InferenceConfig
+from prime_rl.orchestrator.config import ClientConfig, EnvSpec, ModelConfig, SamplingConfig
+
+
+class EvalEnvConfig(EnvSpec):
+    num_examples: int | None = Field(None, ge=1)
+    """Evaluate the first this many tasks of the taskset (None: all of them)."""
+
+    rollouts_per_example: int = Field(1, ge=1)
+    """Rollouts per task; > 1 also reports pass@k."""
+
+
+class RolloutsConfig(EntrypointConfig):
+    """What `eval` and `synthesize` share: a model behind one or more endpoints, environments, sampling."""
+
+    model: ModelConfig = ModelConfig()
+    """The model as the endpoint serves it (name, client-side tokenizer and renderer)."""
+
+    client: ClientConfig = ClientConfig()
+    """OpenAI-compatible endpoint(s) (`--client.base-urls`, API key from `api_key_var`); ignored with `[inference]`."""
+
+    inference: InferenceConfig | None = None
+    """Serve `model.name` with our inference server for the duration of the run (`--inference`)."""
+
+    env: list[EvalEnvConfig] = [EvalEnvConfig()]
+    """Environments (`[[env]]` tables)."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling settings of every request."""
+
+    seq_len: int = Field(4096, ge=1)
+    """Most tokens a rollout may use in total (prompt and completions)."""
+
+    max_concurrent: int = Field(64, ge=1)
+    """Rollout groups in flight at once."""
+
+    max_retries: int = Field(3, ge=0)
+    """Times a rollout that failed on the server (connection, 5xx) is retried, with exponential backoff."""
+
+    retry_backoff: float = Field(2.0, ge=0)
+    """Seconds before the first retry; doubled for each further one."""
+
+    inference_timeout: float = Field(900.0, gt=0)
+    """Seconds to wait for a served model (`[inference]`) to become healthy."""
+
+    @model_validator(mode="after")
+    def _check_envs(self):
+        names = [e.display_name for e in self.env]
+        if not names:
+            raise ValueError("env: configure at least one environment")
+        if len(set(names)) != len(names):
+            raise ValueError(f"env names must be unique, got {names}; set `name` to tell them apart")
+        if self.inference is not None:
+            self.inference.model.name = self.model.name
+            self.client.base_urls = [f"http://127.0.0.1:{self.inference.server.port}/v1"]
+        return self
+
+
+class EvalConfig(RolloutsConfig):
+    weights: dict[str, Path] = {}
+    """Further policies to evaluate after the served (base) model, `{label = "dir"}`, in order: a Hugging Face
+    directory, or a directory of `step_*` subdirectories (its latest step). Loaded with `/update_weights`."""
+
+    weights_dir: Path | None = None
+    """Also evaluate every `step_*` subdirectory of this directory (`outputs/weights`, `outputs/broadcasts`)."""
+
+    pass_threshold: float = 1.0
+    """A rollout counts as solved for pass@k when its reward is at least this."""
+
+
+class SynthesizeConfig(RolloutsConfig):
+    min_reward: float | None = None
+    """Keep only rollouts whose reward is at least this (None: keep every rollout without an error)."""

@@ -1,0 +1,340 @@
+"""`eval` entry point: mean reward (and pass@k, metrics, tokens, timings) of one or more policies on environments.
+
+    uv run eval @ cfg.toml
+    uv run eval --model.name outputs/model --inference --env '[{"id": "reverse-text", "num_examples": 50}]'
+    uv run eval @ cfg.toml --weights-dir outputs/rl/broadcasts      # base + every saved step, one server
+
+Against any OpenAI-compatible endpoint (`client.base_urls`, key from `client.api_key_var`), or a model this
+command serves itself (`[inference]`). Policies after the first are loaded in place with `/update_weights`, so
+the server starts once. Writes `results.jsonl` (one line per rollout) and `summary.json` to `output_dir`, plus
+`reward_vs_step.png` when several policies are evaluated; prints a table and, per environment, one line
+`<env> reward: <policy> <mean>, ...`. Exit code 0 when every rollout ran, 1 when some failed (they are
+recorded with their error), 2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+from loguru import logger
+
+from prime_rl.config.loader import load_config, to_toml, write_resolved_config
+from prime_rl.eval.config import EvalConfig, RolloutsConfig
+from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs
+from prime_rl.orchestrator.worker import RolloutResult
+from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.processes import Process, stop_all, wait_healthy
+
+BIN = Path(sys.executable).parent
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The math (pure).
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n rollouts per example: 1, 2, 4, ... below n, and n."""
+    ks = [k for k in (2**i for i in range(n.bit_length())) if k < n]
+    return ks + [n]
+
+
+def summarize(records: list[dict], rollouts_per_example: int, pass_threshold: float) -> dict:
+    """Summary of one policy on one environment, from its `results.jsonl` records alone."""
+    ok = [r for r in records if r["error"] is None]
+    rewards = [r["reward"] for r in ok]
+    summary: dict = {
+        "rollouts": len(records),
+        "errors": len(records) - len(ok),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if rewards else None,
+    }
+    n = rollouts_per_example
+    if n > 1:
+        by_example: dict[int, list[float]] = {}
+        for r in ok:
+            by_example.setdefault(r["example_id"], []).append(r["reward"])
+        complete = [v for v in by_example.values() if len(v) == n]
+        for k in pass_ks(n):
+            values = [pass_at_k(n, sum(x >= pass_threshold for x in v), k) for v in complete]
+            summary[f"pass@{k}"] = statistics.fmean(values) if values else None
+        summary[f"avg@{n}"] = statistics.fmean(statistics.fmean(v) for v in complete) if complete else None
+    names = sorted({name for r in ok for name in r["metrics"]})
+    summary["metrics"] = {
+        name: statistics.fmean(r["metrics"][name] for r in ok if name in r["metrics"]) for name in names
+    }
+    if ok:
+        summary["prompt_tokens_mean"] = statistics.fmean(r["prompt_tokens"] for r in ok)
+        summary["completion_tokens_mean"] = statistics.fmean(r["completion_tokens"] for r in ok)
+        summary["completion_tokens_total"] = sum(r["completion_tokens"] for r in ok)
+        summary["seconds_per_rollout_mean"] = statistics.fmean(r["seconds"] for r in ok)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Policies: the served model, then weight directories loaded in place.
+
+
+def resolve_weights(path: Path) -> Path:
+    """A Hugging Face directory as is; a directory of `step_*` subdirectories: its latest complete step."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    steps = step_dirs(path)
+    if not steps:
+        raise ValueError(f"{path} is neither a model directory (config.json) nor a directory of step_* weights")
+    return steps[-1][1]
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """`step_*` subdirectories that hold a complete model (config.json; a `STABLE` marker where others have one)."""
+    found = []
+    for path in Path(root).glob("step_*"):
+        match = STEP_DIR.match(path.name)
+        if match and (path / "config.json").exists():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def policies(config: EvalConfig) -> list[tuple[str, Path | None]]:
+    """(label, weights) in evaluation order; the first is the model as served (None: nothing to load)."""
+    result: list[tuple[str, Path | None]] = [("base", None)]
+    result += [(label, resolve_weights(path)) for label, path in config.weights.items()]
+    if config.weights_dir is not None:
+        steps = step_dirs(config.weights_dir)
+        if not steps:
+            raise ValueError(f"--weights-dir {config.weights_dir}: no step_* model directories in it")
+        result += [(f"step_{step}", path) for step, path in steps]
+    labels = [label for label, _ in result]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"policy labels must be unique, got {labels}")
+    return result
+
+
+def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
+    """Every server serves `path` (None: its own model again, `/reload_weights`) when this returns."""
+    key = os.environ.get(config.client.api_key_var)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for url in config.client.base_urls:
+        root = url.removesuffix("/v1")
+        if path is None:
+            route, body = "/reload_weights", {}
+        else:
+            route, body = "/update_weights", {"weight_dir": str(path.resolve()), "version": label}
+        response = httpx.post(f"{root}{route}", json=body, headers=headers, timeout=config.client.timeout)
+        if response.status_code != 200:
+            raise RuntimeError(f"{root}: loading {path} ({label}) failed ({response.status_code}): {response.text}")
+        logger.info(
+            f"{root} now serves {label} ({path or 'its own weights'}, {response.json().get('seconds', 0):.2f}s)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving the model ourselves.
+
+
+def start_inference(config: RolloutsConfig, weight_paths: list[Path]) -> Process:
+    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns."""
+    inference = config.inference
+    if inference.allowed_weight_roots is None:
+        inference.allowed_weight_roots = sorted({p.resolve().parent for p in weight_paths}) or None
+    inference.output_dir = config.output_dir
+    launch_dir = config.output_dir / "configs" / "eval"
+    cfg = launch_dir / "inference.toml"
+    write_atomic(cfg, to_toml(inference).encode())
+    env = dict(os.environ)
+    if inference.server.api_key is not None:
+        env["PRIME_SERVER__API_KEY"] = inference.server.api_key.get_secret_value()
+        env[config.client.api_key_var] = inference.server.api_key.get_secret_value()
+    log_dir = config.output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
+    server.start()
+    url = config.client.base_urls[0].removesuffix("/v1")
+    logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
+    wait_healthy(server, url, config.inference_timeout)
+    return server
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Records and reports.
+
+
+def rollout_record(label: str, job: Job, index: int, result: RolloutResult) -> dict:
+    first = result.samples[0] if result.samples else None
+    return {
+        "policy": label,
+        "env": job.env,
+        "example_id": job.example_id,
+        "rollout": index,
+        "prompt": result.prompt,
+        "completion": result.completion,
+        "reward": result.reward,
+        "metrics": result.metrics,
+        "error": result.error,
+        "truncated": result.truncated,
+        "num_turns": result.num_turns,
+        "prompt_tokens": first.loss_mask.index(True) if first and any(first.loss_mask) else 0,
+        "completion_tokens": sum(sum(s.loss_mask) for s in result.samples),
+        "seconds": round(result.seconds, 4),
+    }
+
+
+def format_table(summary: dict) -> str:
+    envs = list(summary["envs"])
+    header = ["policy"] + [f"{env} reward" for env in envs] + ["errors"]
+    rows = []
+    for policy in summary["policies"]:
+        cells = [policy["label"]]
+        for env in envs:
+            s = policy["envs"][env]
+            mean = "n/a" if s["reward_mean"] is None else f"{s['reward_mean']:.3f} ± {s['reward_std']:.3f}"
+            cells.append(mean)
+        cells.append(str(sum(s["errors"] for s in policy["envs"].values())))
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def reward_lines(summary: dict) -> list[str]:
+    """`<env> reward: base 0.052, sft 0.412, rl 0.655` per environment."""
+    lines = []
+    for env in summary["envs"]:
+        parts = []
+        for policy in summary["policies"]:
+            mean = policy["envs"][env]["reward_mean"]
+            parts.append(f"{policy['label']} {'n/a' if mean is None else f'{mean:.3f}'}")
+        lines.append(f"{env} reward: {', '.join(parts)}")
+    return lines
+
+
+def plot_rewards(summary: dict, path: Path) -> Path | None:
+    """Reward vs policy (step), one line per environment."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no reward plot")
+        return None
+    labels = [p["label"] for p in summary["policies"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for env in summary["envs"]:
+        means = [p["envs"][env]["reward_mean"] for p in summary["policies"]]
+        ax.plot(range(len(labels)), [m if m is not None else float("nan") for m in means], marker="o", label=env)
+    ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 6 else 0)
+    ax.set_xlabel("policy")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run.
+
+
+async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]]) -> dict:
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"model": config.model.name, "envs": {e.display_name: e.model_dump() for e in config.env}}
+    summary["policies"] = []
+    results_tmp = out / "results.jsonl.tmp"
+    async with rollout_worker(config) as worker:
+        with open(results_tmp, "w") as results:
+            planned = plan_jobs(config)
+            try:
+                await run_policies(config, plan, planned, worker, results, summary)
+            finally:
+                if any(path is not None for _, path in plan) and config.inference is None:
+                    # Someone else's server: leave it serving what it served before.
+                    try:
+                        await asyncio.to_thread(load_weights, config, "base", None)
+                    except (httpx.HTTPError, RuntimeError) as e:
+                        logger.warning(f"could not put the served model back: {e}")
+    results_tmp.replace(out / "results.jsonl")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2).encode())
+    return summary
+
+
+async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, results, summary: dict) -> None:
+    for label, path in plan:
+        if path is not None:
+            await asyncio.to_thread(load_weights, config, label, path)
+        jobs = [Job(j.env, j.example_id, j.task, j.n) for j in planned]
+        records: list[dict] = []
+
+        def keep(job: Job, result: RolloutResult, label=label, records=records) -> None:
+            record = rollout_record(label, job, len(job.results) - 1, result)
+            records.append(record)
+            results.write(json.dumps(record) + "\n")
+
+        seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep)
+        envs = {}
+        for env in config.env:
+            mine = [r for r in records if r["env"] == env.display_name]
+            envs[env.display_name] = summarize(mine, env.rollouts_per_example, config.pass_threshold)
+            envs[env.display_name]["seconds"] = round(seconds, 3)
+        summary["policies"].append({"label": label, "weights": str(path) if path else None, "envs": envs})
+        for line in reward_lines({"envs": envs, "policies": [summary["policies"][-1]]}):
+            logger.info(f"{line} ({seconds:.1f}s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, _ = load_config(EvalConfig, "eval", argv)
+    setup_logging("eval", config.log.level, config.output_dir / "logs")
+    write_resolved_config(config, "eval")
+    try:
+        plan = policies(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    server = None
+    try:
+        if config.inference is not None:
+            server = start_inference(config, [p for _, p in plan if p is not None])
+        summary = asyncio.run(evaluate(config, plan))
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        sys.exit(130)
+    except Exception as e:  # a summary, never a stack trace (the log file has it at debug level)
+        logger.opt(exception=e).debug("eval failed")
+        logger.error(f"eval failed: {type(e).__name__}: {e}")
+        sys.exit(1)
+    finally:
+        if server is not None:
+            stop_all([server], grace=15.0)
+    print(format_table(summary))
+    if len(summary["policies"]) > 1 and (plot := plot_rewards(summary, config.output_dir / "reward_vs_step.png")):
+        logger.info(f"plot: {plot}")
+    logger.info(f"results: {config.output_dir / 'results.jsonl'}, summary: {config.output_dir / 'summary.json'}")
+    for line in reward_lines(summary):
+        print(line)
+    errors = sum(s["errors"] for p in summary["policies"] for s in p["envs"].values())
+    if errors:
+        logger.error(f"{errors} rollout(s) failed; their errors are in results.jsonl")
+        sys.exit(1)

@@ -1,0 +1,116 @@
+"""Rollouts for `eval` and `synthesize`: the orchestrator's worker code, run in this process, with retries.
+
+The orchestrator's `Worker` loads the environments and turns verifiers traces into results; here it runs in the
+same event loop (no trainer is waiting, so there is no loop to keep free). A rollout that failed on the server
+(connection refused, 5xx) is run again after `retry_backoff * 2**i` seconds, up to `max_retries` times; after that,
+and for every other failure (a reward function raising, a bad request), it is recorded with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from loguru import logger
+from tqdm import tqdm
+
+from prime_rl.eval.config import RolloutsConfig
+from prime_rl.orchestrator.orchestrator import load_tasks
+from prime_rl.orchestrator.worker import RolloutResult, RunGroup, Worker, cache_default_factory_signatures
+
+
+@dataclass
+class Job:
+    """All rollouts of one task."""
+
+    env: str
+    example_id: int
+    task: dict
+    n: int
+    results: list[RolloutResult] = field(default_factory=list)
+    attempts: int = 0
+
+
+def plan_jobs(config: RolloutsConfig) -> list[Job]:
+    """The first `num_examples` tasks of every environment, `rollouts_per_example` rollouts each."""
+    tasks = load_tasks(config)
+    jobs = []
+    for env in config.env:
+        selected = tasks[env.display_name][: env.num_examples]
+        jobs += [Job(env.display_name, i, task, env.rollouts_per_example) for i, task in enumerate(selected)]
+    return jobs
+
+
+@contextlib.asynccontextmanager
+async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) -> AsyncIterator[Worker]:
+    """The orchestrator's worker in this process, its environments serving (interception servers, harnesses)."""
+    from prime_chat import close_shared_client
+
+    for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    cache_default_factory_signatures()
+    worker = Worker(config, 0, keep_messages)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(close_shared_client)
+        for env in worker.envs.values():
+            await stack.enter_async_context(env.serving())
+        yield worker
+
+
+async def run_jobs(
+    worker: Worker,
+    jobs: list[Job],
+    config: RolloutsConfig,
+    description: str,
+    on_rollout: Callable[[Job, RolloutResult], None] | None = None,
+) -> float:
+    """Run every job to completion (results land in `job.results`); returns the wall time in seconds.
+
+    A progress bar on stderr counts finished rollouts and shows the running mean reward."""
+    urls = itertools.cycle(config.client.base_urls)
+    ids = itertools.count()
+    limit = asyncio.Semaphore(config.max_concurrent)
+    total = sum(job.n for job in jobs)
+    done_rewards: list[float] = []
+    bar = tqdm(total=total, desc=description, unit="rollout", dynamic_ncols=True, leave=True)
+
+    async def run(job: Job) -> None:
+        pending = job.n
+        while pending:
+            async with limit:
+                reply = await worker.run_group(RunGroup(next(ids), job.env, job.task, pending, next(urls)))
+            retry = [r for r in reply.rollouts if r.error and r.retryable]
+            final = [r for r in reply.rollouts if not (r.error and r.retryable)]
+            if retry and job.attempts < config.max_retries:
+                delay = config.retry_backoff * 2**job.attempts
+                job.attempts += 1
+                logger.info(
+                    f"{job.env} example {job.example_id}: {len(retry)} rollout(s) failed ({retry[0].error}); "
+                    f"retry {job.attempts}/{config.max_retries} in {delay:.0f}s"
+                )
+                await asyncio.sleep(delay)
+            else:
+                final += retry
+                retry = []
+            for result in final:
+                job.results.append(result)
+                if result.error is None:
+                    done_rewards.append(result.reward)
+                if on_rollout is not None:
+                    on_rollout(job, result)
+            bar.update(len(final))
+            if done_rewards:
+                bar.set_postfix(reward=f"{sum(done_rewards) / len(done_rewards):.3f}", refresh=False)
+            pending = len(retry)
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(run(job) for job in jobs))
+    finally:
+        bar.close()
+    return time.perf_counter() - start

@@ -1,0 +1,106 @@
+"""One monitoring interface per process, with sinks: `{output_dir}/metrics.jsonl` always, W&B when configured.
+
+    monitor = Monitor(output_dir, "trainer", config.wandb, config.model_dump(mode="json"))
+    monitor.log(step, {"loss": 0.1})
+    monitor.log_distribution(step, "distribution/reward", rewards)
+    monitor.log_table(step, "samples", ["prompt", "completion"], rows)
+    monitor.close()
+
+Every process of a run gets its own W&B run, `<name>-<process>`, in one group, all logged against the
+training step (`step=`), so the trainer's and the orchestrator's curves line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prime_rl.utils.metrics import append_metrics
+from prime_rl.utils.monitor_config import WandbConfig
+
+QUANTILES = (10, 50, 90)
+"""Percentiles of a distribution kept in metrics.jsonl (the full histogram goes to W&B only)."""
+
+
+class MonitorError(RuntimeError):
+    """A sink could not be opened (e.g. W&B online without a login)."""
+
+
+def distribution_summary(name: str, values: list[float]) -> dict[str, float]:
+    """Summary statistics of a distribution, as flat `name/stat` metrics."""
+    a = np.asarray(values, dtype=np.float64)
+    stats = {"mean": a.mean(), "std": a.std(), "min": a.min(), "max": a.max()}
+    stats.update({f"p{q}": v for q, v in zip(QUANTILES, np.percentile(a, QUANTILES), strict=True)})
+    return {f"{name}/{k}": float(v) for k, v in stats.items()}
+
+
+class Monitor:
+    def __init__(
+        self,
+        output_dir: Path,
+        process: str,
+        wandb_config: WandbConfig | None = None,
+        run_config: dict[str, Any] | None = None,
+    ):
+        self.output_dir, self.process = Path(output_dir), process
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.run = None
+        if wandb_config is not None:
+            self.run = _init_wandb(self.output_dir, process, wandb_config, run_config or {})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        append_metrics(self.output_dir, self.process, step, metrics)
+        if self.run is not None:
+            self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def log_distribution(self, step: int, name: str, values: list[float]) -> None:
+        """W&B gets a histogram; metrics.jsonl gets `name/{mean,std,min,max,p10,p50,p90}`."""
+        if len(values) == 0:
+            return
+        append_metrics(self.output_dir, self.process, step, distribution_summary(name, values))
+        if self.run is not None:
+            import wandb
+
+            self.run.log({name: wandb.Histogram(values)}, step=step)
+
+    def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """W&B gets a table; `{output_dir}/tables.jsonl` one line per table, so samples are kept without W&B too."""
+        line = {"process": self.process, "step": step, "table": name, "columns": columns, "rows": rows}
+        with open(self.output_dir / "tables.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self.run is not None:
+            import wandb
+
+            self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def _init_wandb(output_dir: Path, process: str, config: WandbConfig, run_config: dict[str, Any]):
+    import wandb  # only when configured: the import costs seconds
+
+    prefix = config.name or output_dir.resolve().name
+    try:
+        return wandb.init(
+            project=config.project,
+            name=f"{prefix}-{process}",
+            group=config.group or prefix,
+            job_type=process,
+            config=run_config,
+            mode="offline" if config.offline else None,  # None: WANDB_MODE decides (online by default)
+            dir=None if os.environ.get("WANDB_DIR") else output_dir,
+            reinit="create_new",  # one process may own several runs (the tests do)
+            # Console output already goes to {output_dir}/logs; wrapping stdout would duplicate it.
+            settings=wandb.Settings(console="off", silent=True),
+        )
+    except Exception as e:
+        raise MonitorError(
+            f"W&B run {prefix}-{process} could not start: {e} (log in with `wandb login`, or use --wandb.offline)"
+        ) from e

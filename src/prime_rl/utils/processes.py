@@ -1,0 +1,85 @@
+"""Child processes of the launchers (`rl`, `eval`): own process group, death with the parent, clean stop."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from loguru import logger
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the child if `rl` itself dies (even by SIGKILL), so nothing of the run outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Process:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
+        self.name, self.cmd, self.env, self.output = name, cmd, env, output
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.output, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        logger.info(f"started {self.name} (pid {self.proc.pid}): {' '.join(self.cmd)}")
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, n: int = 20) -> str:
+        lines = self.output.read_text(errors="replace").splitlines() if self.output.exists() else []
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def stop_all(processes: list[Process], grace: float) -> None:
+    """SIGTERM every process group, wait up to `grace` seconds, SIGKILL what is left (groups outlive their leader)."""
+    for p in processes:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in processes:
+        if p.proc is not None:
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for p in processes:
+        p.signal(signal.SIGKILL)
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.wait()
+
+
+def wait_healthy(server: Process, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"inference exited with code {server.poll()} before becoming healthy:\n{server.tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"inference not healthy after {timeout:.0f}s:\n{server.tail()}")

@@ -1,0 +1,115 @@
+"""`eval` against the real vLLM server on the tiny model: results and summary agree, several policies in one
+server lifetime, and failing endpoints give per-rollout errors and a summary instead of a stack trace."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import API_KEY
+
+from prime_rl.eval.eval import summarize
+from prime_rl.models.tiny import perturb_weights
+
+pytestmark = pytest.mark.slow
+
+EVAL = str(Path(sys.executable).parent / "eval")
+KEY_VAR = "PRIME_TEST_API_KEY"
+
+
+def run_eval(srv, out: Path, *extra: str, key: str = API_KEY, url: str | None = None, timeout: float = 300):
+    args = [
+        EVAL,
+        "--output-dir", str(out),
+        "--model.name", str(srv.base),
+        "--model.renderer", '{"name": "qwen3", "enable_thinking": false}',
+        "--client.base-urls", f'["{url or srv.url}/v1"]',
+        "--client.api-key-var", KEY_VAR,
+        "--seq-len", "512",
+        "--sampling.max-tokens", "8",
+        *extra,
+    ]  # fmt: skip
+    return subprocess.run(args, env={**os.environ, KEY_VAR: key}, capture_output=True, text=True, timeout=timeout)
+
+
+TWO_ENVS = json.dumps(
+    [
+        {"id": "reverse-text", "num_examples": 5, "rollouts_per_example": 2, "args": {"seed": 7}},
+        {"id": "arithmetic", "num_examples": 3, "rollouts_per_example": 4},
+    ]
+)
+
+
+def test_results_and_summary_agree(tied_server, tmp_path):
+    proc = run_eval(tied_server, tmp_path, "--env", TWO_ENVS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 5 * 2 + 3 * 4
+    fields = {"policy", "env", "example_id", "rollout", "prompt", "completion", "reward", "metrics", "error"}
+    assert all(fields <= r.keys() for r in records)
+    assert {r["env"] for r in records} == {"reverse-text", "arithmetic"}
+    assert all(r["error"] is None and r["completion_tokens"] >= 1 for r in records)
+    assert all(r["prompt"].startswith("Reverse this text: ") for r in records if r["env"] == "reverse-text")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (policy,) = summary["policies"]
+    for env, n in (("reverse-text", 2), ("arithmetic", 4)):
+        mine = [r for r in records if r["env"] == env]
+        recomputed = summarize(mine, n, 1.0)
+        got = policy["envs"][env]
+        assert got["reward_mean"] == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
+        for key in ("reward_mean", "reward_std", f"pass@{n}", f"avg@{n}", "completion_tokens_total", "metrics"):
+            assert got[key] == recomputed[key], key
+    assert "reward/lcs" in policy["envs"]["reverse-text"]["metrics"]
+    assert "pass@1" in policy["envs"]["arithmetic"] and "pass@4" in policy["envs"]["arithmetic"]
+    assert proc.stdout.strip().splitlines()[-2].startswith("reverse-text reward: base ")
+
+
+def test_base_and_two_saved_steps_in_one_server_lifetime(tied_server, tmp_path):
+    srv = tied_server
+    weights = srv.root / "eval_weights"
+    perturb_weights(srv.base, weights / "step_1", scale=8.0, seed=1)
+    perturb_weights(srv.base, weights / "step_2", scale=8.0, seed=2)
+    env = json.dumps([{"id": "reverse-text", "num_examples": 4, "rollouts_per_example": 2}])
+    proc = run_eval(srv, tmp_path, "--env", env, "--weights-dir", str(weights), "--sampling.temperature", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["label"] for p in summary["policies"]] == ["base", "step_1", "step_2"]
+    table = proc.stdout.splitlines()
+    assert sum(line.split(" | ")[0].strip() in ("base", "step_1", "step_2") for line in table) == 3
+    assert (tmp_path / "reward_vs_step.png").stat().st_size > 1000
+    # Greedy decoding: each policy's completions are its own (heavily perturbed weights answer differently).
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    by_policy = {p: [r["completion"] for r in records if r["policy"] == p] for p in ("base", "step_1", "step_2")}
+    assert by_policy["base"] != by_policy["step_1"] != by_policy["step_2"]
+    # The server was put back on its own weights: a greedy request matches the base policy's answer again.
+    rerun = run_eval(srv, tmp_path / "again", "--env", env, "--sampling.temperature", "0")
+    again = [json.loads(line)["completion"] for line in (tmp_path / "again" / "results.jsonl").read_text().splitlines()]
+    assert rerun.returncode == 0 and again == by_policy["base"]
+
+
+def test_bad_key_is_an_error_per_rollout_not_a_crash(tied_server, tmp_path):
+    env = json.dumps([{"id": "reverse-text", "num_examples": 3, "rollouts_per_example": 2}])
+    proc = run_eval(tied_server, tmp_path, "--env", env, key="wrong-key")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "6 rollout(s) failed" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(r["error"] for r in records)
+    assert json.loads((tmp_path / "summary.json").read_text())["policies"][0]["envs"]["reverse-text"]["errors"] == 6
+
+
+def test_unreachable_server_is_retried_then_recorded(tied_server, tmp_path):
+    env = json.dumps([{"id": "reverse-text", "num_examples": 2, "rollouts_per_example": 2}])
+    proc = run_eval(
+        tied_server, tmp_path, "--env", env, "--max-retries", "2", "--retry-backoff", "0.2",
+        url="http://127.0.0.1:9",  # nothing listens on the discard port
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "retry 2/2" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["error"] for r in records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["policies"][0]["envs"]["reverse-text"]["errors"] == 4
