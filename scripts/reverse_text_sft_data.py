@@ -5,22 +5,29 @@
 Each row is one task of the bundled environment (same system prompt, same user message) answered with its
 reference answer, so SFT trains exactly the conversation format that RL and eval later use. `--seed` picks
 the taskset's generator seed; evaluate on a different seed to hold tasks out.
+
+`--wrong-fraction F` makes the demonstrations imperfect, like real ones: a seeded fraction F of the answers is
+the text copied as is instead of reversed. A model fine-tuned on them copies about as often; the reward then
+shows RL what imitation cannot (the reverse-text demo uses this).
 """
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 from reverse_text import ReverseTextConfig, ReverseTextTaskset
 
 
-def sft_rows(config: ReverseTextConfig) -> list[dict]:
+def sft_rows(config: ReverseTextConfig, wrong_fraction: float = 0.0) -> list[dict]:
+    rng = random.Random(f"wrong-{config.seed}")
     rows = []
     for task in ReverseTextTaskset(config).load():
         data = task.data
         prompt = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         prompt.append({"role": "user", "content": data.prompt})
-        rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": data.answer}]})
+        answer = data.text if rng.random() < wrong_fraction else data.answer
+        rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]})
     return rows
 
 
@@ -32,16 +39,21 @@ def main() -> None:
     parser.add_argument("--alphabet", default=None, help="characters of the strings (taskset default: a-z)")
     parser.add_argument("--min-len", type=int, default=None)
     parser.add_argument("--max-len", type=int, default=None)
+    parser.add_argument("--wrong-fraction", type=float, default=0.0, help="answers copied instead of reversed")
     args = parser.parse_args()
     overrides = {"alphabet": args.alphabet, "min_len": args.min_len, "max_len": args.max_len}
-    config = ReverseTextConfig(num_tasks=args.num, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None})
+    config = ReverseTextConfig(
+        num_tasks=args.num, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None}
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_name(args.output.name + ".tmp")
     with open(tmp, "w") as f:
-        for row in sft_rows(config):
+        for row in sft_rows(config, args.wrong_fraction):
             f.write(json.dumps(row) + "\n")
     tmp.replace(args.output)
-    print(f"wrote {args.num} reverse-text conversations (seed {args.seed}) to {args.output}")
+    print(
+        f"wrote {args.num} reverse-text conversations (seed {args.seed}, wrong {args.wrong_fraction:.0%}) to {args.output}"
+    )
 
 
 if __name__ == "__main__":
