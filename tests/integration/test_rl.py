@@ -76,7 +76,9 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server, k)
     out = srv.root / "rl" / f"k{k}"
     out.mkdir(parents=True)
     config = write_config(out.parent / f"k{k}.toml", srv, out, k=k, steps=4)
-    proc = start_rl(config, log=out.parent / f"k{k}.log")
+    # k=1 also checks the W&B sink of the real processes, offline: no network needed.
+    wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"] if k == 1 else []
+    proc = start_rl(config, *wandb, log=out.parent / f"k{k}.log")
     assert proc.wait(600) == 0, (out.parent / f"k{k}.log").read_text()[-4000:]
     console = (out.parent / f"k{k}.log").read_text()
     assert "[trainer] step 4 |" in console and "[orchestrator] step 4 |" in console
@@ -85,6 +87,28 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server, k)
         versions = [v for s in read_batch(batch_path(out, n)).samples for v in s.policy_versions]
         assert min(versions) >= n - 1 - k, (n, versions)  # realised lag never exceeds k
         assert max(versions) <= n - 1  # and nothing claims a policy the trainer had not published yet
+    if k == 1:
+        check_offline_wandb_runs(out)
+
+
+def check_offline_wandb_runs(out: Path) -> None:
+    """Two offline runs, `exp-trainer` and `exp-orchestrator`, in group `exp`, with their step metrics (steps 1-4)
+    and, from the orchestrator, the samples table and the reward histogram (log extras at steps 2 and 4)."""
+    from wandb_offline import wandb_records
+
+    runs = {}
+    for path in out.glob("wandb/offline-run-*/run-*.wandb"):
+        records = list(wandb_records(path))
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+        keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
+        runs[run.display_name] = (run.run_group, keys, sorted({h.step.num for h in history}))
+    assert set(runs) == {"exp-trainer", "exp-orchestrator"}, runs.keys()
+    group, keys, steps = runs["exp-trainer"]
+    assert group == "exp" and {"loss", "entropy", "mismatch_kl"} <= keys and steps == [1, 2, 3, 4]
+    group, keys, steps = runs["exp-orchestrator"]
+    assert group == "exp" and {"reward/mean", "async_lag/max", "samples/_type", "distribution/reward/_type"} <= keys
+    assert steps == [1, 2, 3, 4]
 
 
 def run_pids(rl: psutil.Process) -> list[psutil.Process]:

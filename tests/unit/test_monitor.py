@@ -2,9 +2,9 @@
 
 import glob
 import json
-import struct
 
 import pytest
+from wandb_offline import wandb_records
 
 from prime_rl.config.loader import load_config
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -15,30 +15,6 @@ from prime_rl.utils.monitor_config import WandbConfig
 
 def read_lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def wandb_records(path):
-    """Records of an offline run's `.wandb` file (a LevelDB-style log of protobuf records: 32 KiB blocks,
-    7-byte record headers, after a 7-byte file header); wandb no longer ships a reader."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, buf = open(path, "rb").read(), 7, b""
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if length == 0 and kind == 0:  # block padding
-            pos += left
-            continue
-        buf += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment
-            record = pb.Record()
-            record.ParseFromString(buf)
-            buf = b""
-            yield record
 
 
 def test_without_wandb_everything_goes_to_local_files(tmp_path):
