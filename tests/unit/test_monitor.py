@@ -21,14 +21,12 @@ def test_without_wandb_everything_goes_to_local_files(tmp_path):
     monitor = Monitor(tmp_path, "trainer")
     assert monitor.run is None
     monitor.log(1, {"loss": 0.5, "mfu": None})
-    monitor.log_distribution(1, "distribution/reward", [0.0, 1.0, 2.0, 3.0, 4.0])
-    monitor.log_distribution(1, "distribution/empty", [])
+    dist = monitor.log_distribution(1, "distribution/reward", [0.0, 1.0, 2.0, 3.0, 4.0])
+    assert monitor.log_distribution(1, "distribution/empty", []) == {}
     monitor.log_table(1, "samples", ["prompt", "reward"], [["hi", 1.0]])
     monitor.close()
-    lines = read_lines(tmp_path / "metrics.jsonl")
-    assert lines[0] == {"process": "trainer", "step": 1, "loss": 0.5, "mfu": None}
-    dist = lines[1]
-    assert len(lines) == 2 and dist["process"] == "trainer" and dist["step"] == 1
+    # One line per process and step: a distribution's summary is returned for the step's metrics, not written.
+    assert read_lines(tmp_path / "metrics.jsonl") == [{"process": "trainer", "step": 1, "loss": 0.5, "mfu": None}]
     assert dist["distribution/reward/mean"] == 2.0 and dist["distribution/reward/p50"] == 2.0
     assert dist["distribution/reward/min"] == 0.0 and dist["distribution/reward/max"] == 4.0
     assert dist["distribution/reward/std"] == pytest.approx(2**0.5)
@@ -50,7 +48,7 @@ def test_trainer_and_orchestrator_become_two_offline_runs_in_one_group(tmp_path,
         assert (monitor.run.name, monitor.run.group, monitor.run.offline) == (f"exp-{process}", "exp", True)
         monitor.log(1, {f"{process}/loss": 0.25, "mfu": None})
         monitor.log(2, {f"{process}/loss": 0.125})
-    monitors["orchestrator"].log_distribution(2, "distribution/reward", [0.0, 0.5, 1.0])
+    summary = monitors["orchestrator"].log_distribution(2, "distribution/reward", [0.0, 0.5, 1.0])
     monitors["orchestrator"].log_table(2, "samples", ["prompt", "completion", "reward"], [["a", "b", 1.0]])
     for monitor in monitors.values():
         monitor.close()
@@ -80,9 +78,9 @@ def test_trainer_and_orchestrator_become_two_offline_runs_in_one_group(tmp_path,
 
     lines = read_lines(out / "metrics.jsonl")  # the local file is written with W&B on too
     assert [(line["process"], line["step"]) for line in lines] == [
-        ("trainer", 1), ("trainer", 2), ("orchestrator", 1), ("orchestrator", 2), ("orchestrator", 2)
+        ("trainer", 1), ("trainer", 2), ("orchestrator", 1), ("orchestrator", 2)
     ]  # fmt: skip
-    assert lines[-1]["distribution/reward/mean"] == 0.5
+    assert summary["distribution/reward/mean"] == 0.5
     assert not (tmp_path / "out" / "wandb").exists()  # WANDB_DIR wins over the output directory
 
 
@@ -138,16 +136,14 @@ def test_orchestrator_log_extras(tmp_path):
     config = OrchestratorConfig()
     advantages = [a for g in groups for a in group_samples(g, config)[1].tolist()]
     monitor = Monitor(tmp_path, "orchestrator")
-    log_extras(10, groups, advantages, monitor, LogExtrasConfig())
+    dists = log_extras(10, groups, advantages, monitor, LogExtrasConfig())
     (table,) = read_lines(tmp_path / "tables.jsonl")
     assert table["columns"] == ["env", "prompt", "completion", "reward", "advantage"]
     assert len(table["rows"]) == 8 and {row[1] for row in table["rows"]} == {"p0", "p1", "p2", "p3"}  # spread out
     assert [row[4] for row in table["rows"][:2]] == pytest.approx([-0.5, 1 / 6])  # reward - group mean
-    dists = {
-        k: v for line in read_lines(tmp_path / "metrics.jsonl") for k, v in line.items()
-    }  # a line per distribution
+    assert not (tmp_path / "metrics.jsonl").exists()  # the summaries go into the step's own metrics line
     assert dists["distribution/reward/max"] == 1.0 and dists["distribution/advantage/mean"] == pytest.approx(0.0)
     assert dists["distribution/seq_len/min"] == 3 and dists["distribution/seq_len/max"] == 6
 
-    log_extras(20, groups, advantages, monitor, LogExtrasConfig(samples=False, distributions=False))
-    assert len(read_lines(tmp_path / "tables.jsonl")) == 1 and len(read_lines(tmp_path / "metrics.jsonl")) == 3
+    assert log_extras(20, groups, advantages, monitor, LogExtrasConfig(samples=False, distributions=False)) == {}
+    assert len(read_lines(tmp_path / "tables.jsonl")) == 1

@@ -142,9 +142,12 @@ def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     monitor.log(step, metrics)
 
 
-def log_extras(step: int, groups: list[Group], advantages: list[float], monitor: Monitor, config: LogExtrasConfig):
+def log_extras(
+    step: int, groups: list[Group], advantages: list[float], monitor: Monitor, config: LogExtrasConfig
+) -> dict[str, float]:
     """A few rollouts spread over the batch as a table, and the batch's distributions (the per-step metrics
-    only keep means, which hide a bimodal reward or a long tail of lengths)."""
+    only keep means, which hide a bimodal reward or a long tail of lengths); returns the distributions' summary
+    statistics, which go into the step's metrics."""
     rollouts = [(g, r) for g in groups for r in g.rollouts]  # in the order of `advantages`
     if config.samples:
         every = max(1, len(rollouts) // SAMPLE_ROWS)
@@ -153,12 +156,13 @@ def log_extras(step: int, groups: list[Group], advantages: list[float], monitor:
             for (g, r), a in list(zip(rollouts, advantages, strict=True))[::every][:SAMPLE_ROWS]
         ]
         monitor.log_table(step, "samples", ["env", "prompt", "completion", "reward", "advantage"], rows)
+    summary: dict[str, float] = {}
     if config.distributions:
-        monitor.log_distribution(step, "distribution/reward", [r.reward for _, r in rollouts])
-        monitor.log_distribution(step, "distribution/advantage", advantages)
-        monitor.log_distribution(
-            step, "distribution/seq_len", [len(s.token_ids) for _, r in rollouts for s in r.samples]
-        )
+        summary |= monitor.log_distribution(step, "distribution/reward", [r.reward for _, r in rollouts])
+        summary |= monitor.log_distribution(step, "distribution/advantage", advantages)
+        seq_lens = [len(s.token_ids) for _, r in rollouts for s in r.samples]
+        summary |= monitor.log_distribution(step, "distribution/seq_len", seq_lens)
+    return summary
 
 
 async def orchestrate(config: OrchestratorConfig) -> None:
@@ -209,9 +213,9 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )
             metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
-            log_step(step, metrics, monitor)
             if step % config.log_extras.interval == 0:
-                log_extras(step, groups, advantages, monitor, config.log_extras)
+                metrics |= log_extras(step, groups, advantages, monitor, config.log_extras)
+            log_step(step, metrics, monitor)
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
             if config.ckpt is not None and step % config.ckpt.interval == 0:

@@ -2,7 +2,7 @@
 
     monitor = Monitor(output_dir, "trainer", config.wandb, config.model_dump(mode="json"))
     monitor.log(step, {"loss": 0.1})
-    monitor.log_distribution(step, "distribution/reward", rewards)
+    metrics |= monitor.log_distribution(step, "distribution/reward", rewards)
     monitor.log_table(step, "samples", ["prompt", "completion"], rows)
     monitor.close()
 
@@ -57,15 +57,16 @@ class Monitor:
         if self.run is not None:
             self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
-    def log_distribution(self, step: int, name: str, values: list[float]) -> None:
-        """W&B gets a histogram; metrics.jsonl gets `name/{mean,std,min,max,p10,p50,p90}`."""
+    def log_distribution(self, step: int, name: str, values: list[float]) -> dict[str, float]:
+        """W&B gets a histogram; returns `name/{mean,std,min,max,p10,p50,p90}` for the caller to add to the step's
+        metrics (metrics.jsonl keeps one line per process and step)."""
         if len(values) == 0:
-            return
-        append_metrics(self.output_dir, self.process, step, distribution_summary(name, values))
+            return {}
         if self.run is not None:
             import wandb
 
             self.run.log({name: wandb.Histogram(values)}, step=step)
+        return distribution_summary(name, values)
 
     def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
         """W&B gets a table; `{output_dir}/tables.jsonl` one line per table, so samples are kept without W&B too."""
