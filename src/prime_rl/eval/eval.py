@@ -26,15 +26,13 @@ from pathlib import Path
 import httpx
 from loguru import logger
 
-from prime_rl.config.loader import load_config, to_toml, write_resolved_config
+from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.eval.config import EvalConfig, RolloutsConfig
-from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs
+from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs, serve_and_run
 from prime_rl.orchestrator.worker import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.processes import Process, stop_all, wait_healthy
 
-BIN = Path(sys.executable).parent
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -145,33 +143,6 @@ def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
         logger.info(
             f"{root} now serves {label} ({path or 'its own weights'}, {response.json().get('seconds', 0):.2f}s)"
         )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Serving the model ourselves.
-
-
-def start_inference(config: RolloutsConfig, weight_paths: list[Path]) -> Process:
-    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns."""
-    inference = config.inference
-    if inference.allowed_weight_roots is None:
-        inference.allowed_weight_roots = sorted({p.resolve().parent for p in weight_paths}) or None
-    inference.output_dir = config.output_dir
-    launch_dir = config.output_dir / "configs" / "eval"
-    cfg = launch_dir / "inference.toml"
-    write_atomic(cfg, to_toml(inference).encode())
-    env = dict(os.environ)
-    if inference.server.api_key is not None:
-        env["PRIME_SERVER__API_KEY"] = inference.server.api_key.get_secret_value()
-        env[config.client.api_key_var] = inference.server.api_key.get_secret_value()
-    log_dir = config.output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
-    server.start()
-    url = config.client.base_urls[0].removesuffix("/v1")
-    logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
-    wait_healthy(server, url, config.inference_timeout)
-    return server
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,21 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    server = None
-    try:
-        if config.inference is not None:
-            server = start_inference(config, [p for _, p in plan if p is not None])
-        summary = asyncio.run(evaluate(config, plan))
-    except KeyboardInterrupt:
-        logger.warning("interrupted")
-        sys.exit(130)
-    except Exception as e:  # a summary, never a stack trace (the log file has it at debug level)
-        logger.opt(exception=e).debug("eval failed")
-        logger.error(f"eval failed: {type(e).__name__}: {e}")
-        sys.exit(1)
-    finally:
-        if server is not None:
-            stop_all([server], grace=15.0)
+    summary = serve_and_run("eval", config, [p for _, p in plan if p is not None], lambda: evaluate(config, plan))
     print(format_table(summary))
     if len(summary["policies"]) > 1 and (plot := plot_rewards(summary, config.output_dir / "reward_vs_step.png")):
         logger.info(f"plot: {plot}")

@@ -12,16 +12,26 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 from loguru import logger
 from tqdm import tqdm
 
+from prime_rl.config.loader import to_toml
 from prime_rl.eval.config import RolloutsConfig
 from prime_rl.orchestrator.orchestrator import load_tasks
 from prime_rl.orchestrator.worker import RolloutResult, RunGroup, Worker, cache_default_factory_signatures
+from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.processes import Process, stop_all, wait_healthy
+
+BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 
 @dataclass
@@ -114,3 +124,50 @@ async def run_jobs(
     finally:
         bar.close()
     return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving the model ourselves.
+
+
+def start_inference(config: RolloutsConfig, weight_paths: list[Path]) -> Process:
+    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns."""
+    inference = config.inference
+    if inference.allowed_weight_roots is None:
+        inference.allowed_weight_roots = sorted({p.resolve().parent for p in weight_paths}) or None
+    inference.output_dir = config.output_dir
+    launch_dir = config.output_dir / "configs" / "eval"
+    cfg = launch_dir / "inference.toml"
+    write_atomic(cfg, to_toml(inference).encode())
+    env = dict(os.environ)
+    if inference.server.api_key is not None:
+        env["PRIME_SERVER__API_KEY"] = inference.server.api_key.get_secret_value()
+        env[config.client.api_key_var] = inference.server.api_key.get_secret_value()
+    log_dir = config.output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
+    server.start()
+    url = config.client.base_urls[0].removesuffix("/v1")
+    logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
+    wait_healthy(server, url, config.inference_timeout)
+    return server
+
+
+def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], run: Callable[[], Awaitable[T]]) -> T:
+    """Serve the model if `[inference]` asks for it, run `run()`, stop the server; a failure is one log line and
+    exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130."""
+    server = None
+    try:
+        if config.inference is not None:
+            server = start_inference(config, weight_paths)
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        sys.exit(130)
+    except Exception as e:
+        logger.opt(exception=e).debug(f"{name} failed")
+        logger.error(f"{name} failed: {type(e).__name__}: {e}")
+        sys.exit(1)
+    finally:
+        if server is not None:
+            stop_all([server], grace=15.0)

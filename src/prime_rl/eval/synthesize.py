@@ -11,7 +11,6 @@ file or none) and `{output_dir}/synthesize_summary.json`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import sys
@@ -20,12 +19,10 @@ from loguru import logger
 
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.eval.config import SynthesizeConfig
-from prime_rl.eval.eval import start_inference
-from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs
+from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs, serve_and_run
 from prime_rl.orchestrator.worker import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.processes import stop_all
 
 
 def sft_row(job: Job, result: RolloutResult) -> dict:
@@ -80,21 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SynthesizeConfig, "synthesize", argv)
     setup_logging("synthesize", config.log.level, config.output_dir / "logs")
     write_resolved_config(config, "synthesize")
-    server = None
-    try:
-        if config.inference is not None:
-            server = start_inference(config, [])
-        summary = asyncio.run(synthesize(config))
-    except KeyboardInterrupt:
-        logger.warning("interrupted")
-        sys.exit(130)
-    except Exception as e:  # one line, no stack trace (the log file has it at debug level)
-        logger.opt(exception=e).debug("synthesize failed")
-        logger.error(f"synthesize failed: {type(e).__name__}: {e}")
-        sys.exit(1)
-    finally:
-        if server is not None:
-            stop_all([server], grace=15.0)
+    summary = serve_and_run("synthesize", config, [], lambda: synthesize(config))
     mean = summary["kept_reward_mean"]
     logger.info(
         f"kept {summary['kept']} of {summary['rollouts']} rollouts (errors {summary['error']}, below min_reward "
