@@ -137,14 +137,21 @@ def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size(model_dir, t
     assert b[1]["grad_norm"] == pytest.approx(a[1]["grad_norm"], rel=1e-4)
 
 
-def test_history_rewriting_template_stops_every_rank_with_the_sample_named(model_dir, tmp_path):
+def test_multi_turn_rows_train_under_qwen3_and_a_bad_row_stops_every_rank_naming_it(model_dir, tmp_path):
     rows = [reverse_example(random.Random(i)) for i in range(3)]
     two_turns = rows[0]["prompt"] + rows[0]["completion"] + rows[1]["prompt"]  # Qwen3 re-renders turn 1
     rows.append({"prompt": two_turns, "completion": rows[1]["completion"]})
+    rows.append({"prompt": [{"role": "narrator", "content": "x"}], "completion": []})
     data = tmp_path / "two_turns.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    proc = sft(model_dir, data, tmp_path / "out", "--data.shuffle", "false", "--max-steps", "1", check=False)
-    assert proc.returncode != 0
+    out = tmp_path / "out"
+    proc = sft(model_dir, data, out, "--data.shuffle", "false", "--batch-size", "4", "--max-steps", "2", check=False)
+    # Step 1 = examples 0-3; the two-turn one is a sample per assistant turn.
     assert f"example 3 of {data}: the chat template rewrites earlier turns" in proc.stderr
+    step_1 = metrics(out)[1]
+    assert step_1["samples"] == 5
+    # Step 2 starts with example 4.
+    assert proc.returncode != 0
+    assert f"example 4 of {data}: message 0 needs a role" in proc.stderr
     assert proc.stderr.count("sft stopped:") == 1  # once, from rank 0, and no traceback through our code
     assert "prime_rl/trainer/sft" not in proc.stderr

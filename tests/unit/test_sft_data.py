@@ -1,5 +1,6 @@
 """SFT data: loss masks from real chat templates, JSONL/Parquet loading, and the resumable epoch order."""
 
+import copy
 import importlib.util
 import json
 
@@ -49,7 +50,7 @@ TWO_TURNS = chat(("Reverse: abcde", "edcba"), ("Reverse: xyz", "zyx"))
 
 def test_two_turn_mask_is_exactly_the_assistant_replies_and_their_end_tokens(tokenizers):
     tok = tokenizers["llama"]
-    ids, mask = tokenize_example(tok, TWO_TURNS, LossMaskConfig(), "two turns")
+    [(ids, mask)] = tokenize_example(tok, TWO_TURNS, LossMaskConfig(), "two turns")
     assert ids == tok.apply_chat_template(TWO_TURNS["prompt"] + TWO_TURNS["completion"])["input_ids"]
     # From the ids alone: a turn is <|start_header_id|> role <|end_header_id|> "\n\n" body <|eot_id|>; the body
     # of an assistant turn and its <|eot_id|> are trained, nothing else (not the header that opens the turn).
@@ -69,7 +70,7 @@ def test_two_turn_mask_is_exactly_the_assistant_replies_and_their_end_tokens(tok
 def test_chatml_mask_skips_the_generation_scaffold_and_the_newline_after_the_end_token(tokenizers):
     tok = tokenizers["qwen3"]
     example = chat(("Reverse: abcde", "edcba"), system="Be brief.")
-    ids, mask = tokenize_example(tok, example, LossMaskConfig(), "one turn")
+    [(ids, mask)] = tokenize_example(tok, example, LossMaskConfig(), "one turn")
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     last_turn = max(i for i, token in enumerate(ids) if token == im_start)
     think = ids.index(tok.convert_tokens_to_ids("<think>"), last_turn)  # Qwen3 opens the reply with a think block
@@ -82,9 +83,9 @@ def test_chatml_mask_skips_the_generation_scaffold_and_the_newline_after_the_end
 def test_roles_to_train_are_configurable(tokenizers):
     tok = tokenizers["llama"]
     example = chat(("Reverse: ab", "ba"), system="Be brief.")
-    ids, mask = tokenize_example(tok, example, LossMaskConfig(user=True, assistant=False), "roles")
+    [(ids, mask)] = tokenize_example(tok, example, LossMaskConfig(user=True, assistant=False), "roles")
     assert trained_spans(tok, ids, mask) == ["<|start_header_id|>user<|end_header_id|>\n\nReverse: ab<|eot_id|>"]
-    ids, mask = tokenize_example(tok, example, LossMaskConfig(system=True), "roles")
+    [(ids, mask)] = tokenize_example(tok, example, LossMaskConfig(system=True), "roles")
     # The first token (<|begin_of_text|>) is never trained: nothing predicts it.
     assert trained_spans(tok, ids, mask) == [
         "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>",
@@ -99,17 +100,40 @@ def test_roles_to_train_are_configurable(tokenizers):
         ],
         "completion": [{"role": "assistant", "content": "It is 4."}],
     }
-    ids, mask = tokenize_example(tok, tools, LossMaskConfig(assistant=False, tool=True), "tools")
+    [(ids, mask)] = tokenize_example(tok, tools, LossMaskConfig(assistant=False, tool=True), "tools")
     assert trained_spans(tok, ids, mask) == [
         "<|start_header_id|>tool<|end_header_id|>\n\n4<|eot_id|><|start_header_id|>tool<|end_header_id|>\n\nok<|eot_id|>"
     ]
 
 
-def test_template_that_rewrites_history_is_an_error_naming_the_sample(tokenizers):
-    # Qwen3's template gives only the last assistant turn an (empty) think block, so turn 1 renders differently
-    # once turn 2 exists: no per-message mask is possible.
-    with pytest.raises(DataError, match="example 7 of data.jsonl: the chat template rewrites earlier turns"):
-        tokenize_example(tokenizers["qwen3"], TWO_TURNS, LossMaskConfig(), "example 7 of data.jsonl")
+def test_template_that_rewrites_history_gives_a_sample_per_assistant_turn(tokenizers):
+    # Qwen3's template gives only the assistant turns after the last user message a think block, so turn 1
+    # renders differently once turn 2 exists: each reply is trained in the context the model had when writing it.
+    tok = tokenizers["qwen3"]
+    messages = TWO_TURNS["prompt"] + TWO_TURNS["completion"]
+    (ids_1, mask_1), (ids_2, mask_2) = tokenize_example(tok, TWO_TURNS, LossMaskConfig(), "two turns")
+    assert ids_1 == tok.apply_chat_template(messages[:2])["input_ids"]
+    assert ids_2 == tok.apply_chat_template(messages)["input_ids"]
+    assert "<|im_start|>assistant\nedcba<|im_end|>" in tok.decode(ids_2)  # turn 1 without its think block
+    assert trained_spans(tok, ids_1, mask_1) == ["<think>\n\n</think>\n\nedcba<|im_end|>"]
+    assert trained_spans(tok, ids_2, mask_2) == ["<think>\n\n</think>\n\nzyx<|im_end|>"]
+    # The stream counts examples, not samples: two examples, three samples.
+    one_turn = chat(("Reverse: ab", "ba"))
+    [(ids_3, _)] = tokenize_example(tok, one_turn, LossMaskConfig(), "one turn")
+    stream = ChatStream([TWO_TURNS, one_turn], tok, ChatDataConfig(name="mem", shuffle=False), seq_len=256, seed=0)
+    samples, example_ids = stream.take(2)
+    assert example_ids == [0, 1]
+    assert [sample.token_ids for sample in samples] == [ids_1, ids_2, ids_3]
+
+
+def test_template_that_changes_earlier_text_even_per_turn_is_an_error_naming_the_sample(tokenizers):
+    tok = copy.deepcopy(tokenizers["llama"])
+    # Marks the last message, so no rendering is ever a prefix of a longer one.
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if loop.last %} (last){% endif %}\n{% endfor %}"
+    )
+    with pytest.raises(DataError, match="example 7 of data.jsonl: the chat template renders the first 1 messages"):
+        tokenize_example(tok, chat(("Reverse: ab", "ba")), LossMaskConfig(), "example 7 of data.jsonl")
 
 
 def test_malformed_example_names_the_sample(tokenizers):
@@ -153,10 +177,10 @@ def test_jsonl_and_parquet_give_the_same_samples(tokenizers, tmp_path):
     assert from_parquet[0]["completion"][0].get("tool_calls", "missing") is None  # the files do differ
     tok = tokenizers["qwen3"]
     for i, (a, b) in enumerate(zip(from_jsonl, from_parquet, strict=True)):
-        sample = tokenize_example(tok, a, LossMaskConfig(), f"example {i}")
-        assert sample == tokenize_example(tok, b, LossMaskConfig(), f"example {i}")
+        [sample] = tokenize_example(tok, a, LossMaskConfig(), f"example {i}")
+        assert [sample] == tokenize_example(tok, b, LossMaskConfig(), f"example {i}")
         assert any(sample[1])
-    ids, _ = tokenize_example(tok, from_parquet[1], LossMaskConfig(), "tools")
+    [(ids, _)] = tokenize_example(tok, from_parquet[1], LossMaskConfig(), "tools")
     assert '"name": "calc"' in tok.decode(ids)  # tools and tool calls survived the round trip
 
 

@@ -3,9 +3,9 @@
     uv run sft @ configs/sft/tiny.toml                                   # one process
     uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.sft @ cfg.toml
 
-Step n: rank 0 takes the next `batch_size` samples of the data stream, packs them into rows and deals them
-out (as the RL trainer does with a batch) -> forward/backward every row (cross-entropy summed over the loss
-tokens, divided by the step's total) -> clip, optimizer and scheduler step -> maybe export `weights/step_n`
+Step n: rank 0 takes the samples of the next `batch_size` examples of the data stream, packs them into rows
+and deals them out (as the RL trainer does with a batch) -> forward/backward every row (cross-entropy summed
+over the loss tokens, divided by the step's total) -> clip, optimizer and scheduler step -> maybe export `weights/step_n`
 -> maybe checkpoint, data position included, so a resumed run reads on from the very next example.
 """
 

@@ -75,7 +75,7 @@ class SFTConfig(EntrypointConfig):
     """Also log to W&B, as run `<name>-sft` (`--wandb` enables with defaults)."""
 
     batch_size: int = Field(32, ge=1)
-    """Samples per optimizer step (skipped samples are replaced by the next ones)."""
+    """Examples (conversations) per optimizer step; skipped examples are replaced by the next ones."""
 
     seq_len: int = Field(2048, ge=2)
     """Maximum tokens per packed row; longer samples are skipped."""

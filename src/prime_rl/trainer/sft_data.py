@@ -7,7 +7,8 @@ that message's role. Right before an assistant message the preceding turns are r
 prompt, so the scaffold that opens the turn (`<|im_start|>assistant\n`) is its own, never trained, span; the
 model only learns what it would have to generate itself, up to and including its end-of-turn token.
 Working on characters and tokenizing the whole text once (with offsets) keeps the ids exactly those of
-`apply_chat_template`, even where BPE merges tokens across a span boundary.
+`apply_chat_template`, even where BPE merges tokens across a span boundary. Templates that re-render earlier
+turns once later ones follow (Qwen3's) get one sample per trained message instead, see `tokenize_example`.
 """
 
 from __future__ import annotations
@@ -125,8 +126,61 @@ def _messages_and_tools(example: dict, name: str) -> tuple[list[dict], list[dict
     return messages, tools or None
 
 
-def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str) -> tuple[list[int], list[bool]]:
+@dataclass
+class _Span:
+    text: str
+    """The conversation rendered up to the end of this span; the span is what it adds to the previous one."""
+    trained: bool
+    count: int
+    """Messages rendered."""
+
+
+def _message_spans(messages: list[dict], roles: LossMaskConfig, render) -> list[_Span]:
+    """One span per message (a run of tool results is one), plus an untrained span for the scaffold that opens
+    each assistant turn (rendered with the generation prompt)."""
+    spans = []
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant":
+            spans.append(_Span(render(i, generation_prompt=True), False, i))
+        if role == "tool" and i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
+            continue
+        spans.append(_Span(render(i + 1), getattr(roles, role), i + 1))
+    return spans
+
+
+def _tokenize_spans(tokenizer, spans: list[_Span]) -> tuple[list[int], list[bool]] | None:
+    """Ids of the last span's rendering and the per-token mask; None if an earlier rendering is not a prefix of
+    it (the template rewrote an earlier turn once later ones followed)."""
+    text = spans[-1].text
+    ends: list[int] = []
+    for span in spans:
+        if not text.startswith(span.text) or (ends and len(span.text) < ends[-1]):
+            return None
+        ends.append(len(span.text))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = encoding["input_ids"]
+    # A token belongs to the span its first character is in.
+    span_of = [bisect.bisect_right(ends, start) for start, _ in encoding["offset_mapping"]]
+    mask = [spans[k].trained for k in span_of]
+    last_end_token = {
+        k: t for t, (token, k) in enumerate(zip(ids, span_of, strict=True)) if token == tokenizer.eos_token_id
+    }
+    for t, k in enumerate(span_of):
+        if k in last_end_token and t > last_end_token[k]:
+            mask[t] = False
+    if mask:
+        mask[0] = False
+    return ids, mask
+
+
+def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str) -> list[tuple[list[int], list[bool]]]:
     """Token ids of the rendered conversation and, per token, whether it is trained on.
+
+    One sample when the template only appends. A template that rewrites earlier turns once later ones follow
+    (Qwen3's drops the think block of every assistant turn before the last user message) gives one sample per
+    trained message instead: the conversation up to that message, rendered as the model saw it when it wrote
+    it, with only that message trained. More tokens, but no turn is trained on a context it was never given.
 
     A consecutive run of tool results is one span (templates such as Qwen3's wrap the run in one turn).
     The first token is never trained (nothing predicts it), nor are tokens of a trained message that come
@@ -142,39 +196,21 @@ def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str)
         except TemplateError as e:
             raise DataError(f"{name}: the chat template failed on the first {count} messages: {e}") from None
 
-    spans: list[tuple[str, bool, int]] = []  # (rendering that ends the span, trained?, messages rendered)
-    for i, message in enumerate(messages):
-        role = message["role"]
-        if role == "assistant":
-            spans.append((render(i, generation_prompt=True), False, i))
-        if role == "tool" and i + 1 < len(messages) and messages[i + 1]["role"] == "tool":
+    spans = _message_spans(messages, roles, render)
+    if (whole := _tokenize_spans(tokenizer, spans)) is not None:
+        return [whole]
+    samples = []
+    for k, span in enumerate(spans):
+        if not span.trained:
             continue
-        spans.append((render(i + 1), getattr(roles, role), i + 1))
-    text = spans[-1][0]
-    ends = []
-    for prefix, _, count in spans:
-        if not text.startswith(prefix) or (ends and len(prefix) < ends[-1]):
+        sample = _tokenize_spans(tokenizer, spans[max(k - 1, 0) : k + 1])
+        if sample is None:
             raise DataError(
-                f"{name}: the chat template rewrites earlier turns (the first {count} of {len(messages)} messages "
-                "render differently once the later ones follow), so a per-message loss mask cannot be built; use "
-                "a template that only appends (Qwen3's, for one, drops the reasoning of earlier assistant turns)"
+                f"{name}: the chat template renders the first {spans[k - 1].count} messages differently once "
+                f"message {span.count - 1} follows, so its tokens cannot be told apart from theirs"
             )
-        ends.append(len(prefix))
-
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = encoding["input_ids"]
-    # A token belongs to the span its first character is in.
-    span_of = [bisect.bisect_right(ends, start) for start, _ in encoding["offset_mapping"]]
-    mask = [spans[k][1] for k in span_of]
-    last_end_token = {
-        k: t for t, (token, k) in enumerate(zip(ids, span_of, strict=True)) if token == tokenizer.eos_token_id
-    }
-    for t, k in enumerate(span_of):
-        if k in last_end_token and t > last_end_token[k]:
-            mask[t] = False
-    if mask:
-        mask[0] = False
-    return ids, mask
+        samples.append(sample)
+    return samples
 
 
 def sft_sample(token_ids: list[int], loss_mask: list[bool]) -> TrainingSample:
@@ -224,6 +260,7 @@ class ChatStream:
         self.seq_len, self.seed = seq_len, seed
         self.state = DataState()
         self._order: tuple[int, list[int]] | None = None  # (epoch, order), cached
+        self._said_branched = False
 
     def _next_id(self) -> int:
         if self.state.index >= len(self.examples):
@@ -236,22 +273,22 @@ class ChatStream:
         return self._order[1][self.state.index - 1]
 
     def take(self, count: int) -> tuple[list[TrainingSample], list[int]]:
-        """The next `count` usable samples and their example ids; unusable examples are skipped and counted."""
+        """The samples of the next `count` usable examples and their example ids (an example gives several
+        samples where the template rewrites history); unusable examples are skipped and counted."""
         samples, ids = [], []
         skipped_in_a_row = 0
-        while len(samples) < count:
+        while len(ids) < count:
             example_id = self._next_id()
             name = f"example {example_id} of {self.config.name}"
-            token_ids, loss_mask = tokenize_example(
-                self.tokenizer, self.examples[example_id], self.config.loss_mask, name
-            )
-            if len(token_ids) > self.seq_len or not any(loss_mask):
-                too_long = len(token_ids) > self.seq_len
+            pieces = tokenize_example(self.tokenizer, self.examples[example_id], self.config.loss_mask, name)
+            too_long = any(len(token_ids) > self.seq_len for token_ids, _ in pieces)
+            if too_long or not any(any(loss_mask) for _, loss_mask in pieces):
                 if too_long:
                     self.state.skipped_too_long += 1
                 else:
                     self.state.skipped_no_loss += 1
-                reason = f"{len(token_ids)} tokens > seq_len={self.seq_len}" if too_long else "no trained token"
+                longest = max(len(token_ids) for token_ids, _ in pieces)
+                reason = f"{longest} tokens > seq_len={self.seq_len}" if too_long else "no trained token"
                 if (self.state.skipped_too_long if too_long else self.state.skipped_no_loss) == 1:
                     logger.warning(f"skipping {name}: {reason} (further skips are counted in the step lines)")
                 else:
@@ -263,8 +300,15 @@ class ChatStream:
                         f"or has no trained token (loss_mask: {self.config.loss_mask.model_dump()})"
                     )
                 continue
+            if len(pieces) > 1 and not self._said_branched:
+                self._said_branched = True
+                logger.info(
+                    f"{name}: the chat template rewrites earlier turns once later ones follow, so each trained "
+                    f"message becomes its own sample with the conversation before it as context ({len(pieces)} "
+                    "samples here); multi-turn examples cost more tokens with this template"
+                )
             skipped_in_a_row = 0
-            samples.append(sft_sample(token_ids, loss_mask))
+            samples.extend(sft_sample(token_ids, loss_mask) for token_ids, loss_mask in pieces if any(loss_mask))
             ids.append(example_id)
         return samples, ids
 
