@@ -1,10 +1,12 @@
 """Shared integration fixtures: one real vLLM server on the tiny tied model for the whole session.
 
 vLLM takes ~100 s to start on CPU, so every module that needs "a server" (inference tests, orchestrator tests)
-shares this one. Tests must not assume which weights it serves: the orchestrator resets it on start.
+shares this one. Tests must not assume which weights it serves: the orchestrator resets it on start. Its model
+carries Qwen3's sampling defaults in generation_config.json, as real checkpoints do.
 """
 
 import asyncio
+import json
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,12 +15,18 @@ from prime_rl.inference.process import InferenceServer
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
 
 API_KEY = "test-key"
+QWEN3_SAMPLING_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
 PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
 
 
 def start_server(root, tied: bool) -> InferenceServer:
     """A server on a fresh tiny model under `root`, which is also its allowed weight root."""
     base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=tied))
+    # Qwen3's own sampling defaults, which vLLM applies to every request field left unset: clients that need
+    # the plain distribution (the orchestrator, for the trainer's logprobs) must say so in each request.
+    generation_config = json.loads((base / "generation_config.json").read_text())
+    generation_config.update(QWEN3_SAMPLING_DEFAULTS)
+    (base / "generation_config.json").write_text(json.dumps(generation_config))
     perturb_weights(base, root / "step_1", scale=8.0)
     extra = ["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root)]
     srv = InferenceServer(base, root / "out", extra=extra + ["--max-num-seqs", "48"], api_key=API_KEY)

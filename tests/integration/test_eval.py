@@ -89,6 +89,27 @@ def test_base_and_two_saved_steps_in_one_server_lifetime(tied_server, tmp_path):
     assert rerun.returncode == 0 and again == by_policy["base"]
 
 
+def test_chat_api_works_and_counts_tokens_from_usage(tied_server, tmp_path):
+    """`--api chat` talks plain /v1/chat/completions (what OpenAI and every other endpoint serve): the server
+    applies its own chat template, and the token counts come from its usage report."""
+    env = json.dumps([{"id": "reverse-text", "num_examples": 4, "rollouts_per_example": 1}])
+    by_api = {}
+    for api in ("tokens", "chat"):
+        proc = run_eval(tied_server, tmp_path / api, "--env", env, "--sampling.temperature", "0", "--api", api)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        by_api[api] = [json.loads(line) for line in (tmp_path / api / "results.jsonl").read_text().splitlines()]
+    assert all(r["error"] is None and 1 <= r["completion_tokens"] <= 8 for r in by_api["chat"])
+    # Our renderer (enable_thinking false) prefills an empty think block; the server's template, given no
+    # template arguments, does not: the prompts differ by exactly that block, on every example.
+    tok = tied_server.tokenizer
+    messages = [{"role": "user", "content": "x"}]
+    prefill = len(tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)["input_ids"])
+    prefill -= len(tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    assert prefill > 0
+    assert [r["prompt_tokens"] + prefill for r in by_api["chat"]] == [r["prompt_tokens"] for r in by_api["tokens"]]
+    assert [r["prompt"] for r in by_api["chat"]] == [r["prompt"] for r in by_api["tokens"]]
+
+
 def test_bad_key_is_an_error_per_rollout_not_a_crash(tied_server, tmp_path):
     env = json.dumps([{"id": "reverse-text", "num_examples": 3, "rollouts_per_example": 2}])
     proc = run_eval(tied_server, tmp_path, "--env", env, key="wrong-key")

@@ -12,6 +12,8 @@ from conftest import API_KEY, start_server
 from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.orchestrator.config import SamplingConfig
+from prime_rl.orchestrator.worker import request_sampling
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +36,8 @@ def server(request, tmp_path_factory):
 
 
 def generate(srv, max_tokens=8, temperature=0.0, seed=None, ids=None, **extra) -> dict:
-    params = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": 1, **extra}
+    # top_k/top_p neutral: the model's generation_config would otherwise fill in Qwen3's (see conftest).
+    params = {"temperature": temperature, "top_k": -1, "top_p": 1.0, "max_tokens": max_tokens, "logprobs": 1, **extra}
     if seed is not None:
         params["seed"] = seed
     body = {"model": str(srv.base), "token_ids": ids or srv.prompt_ids, "sampling_params": params}
@@ -192,15 +195,26 @@ def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monke
         client=client,
         harness=vf.HarnessConfig(id="vf_tiny_env"),
         runtime=vf.SubprocessConfig(),
-        sampling=vf.SamplingConfig(temperature=0.5, max_tokens=24),
+        sampling=vf.SamplingConfig(**request_sampling(SamplingConfig(temperature=0.5, max_tokens=24))),
     )
     task = next(iter(vf_tiny_env.TinyTaskset(vf_tiny_env.TinyConfig(num_tasks=1)).load()))
 
-    async def run():
+    async def run(cfg):
         async with vf.make_agent(cfg) as agent:
             return await asyncio.gather(*[agent.run(task) for _ in range(4)])
 
-    traces = verifiers_loop.run_until_complete(run())
+    # Temperature alone: vLLM fills in top_k 20 and top_p 0.95 from the model's generation_config, and the
+    # logprobs are those of the truncated distribution (higher than the full softmax), not what a trainer
+    # computes. This is why the orchestrator sends every sampling field (`request_sampling`).
+    bare = cfg.model_copy(update={"sampling": vf.SamplingConfig(temperature=0.5, max_tokens=24)})
+    for trace in verifiers_loop.run_until_complete(run(bare)):
+        branch = trace.branches[0]
+        start = list(branch.sampled_mask).index(True)
+        got = torch.tensor(list(branch.logprobs)[start:])
+        ref = hf_logprobs(server.base, list(branch.token_ids[:start]), list(branch.token_ids[start:]), temperature=0.5)
+        assert (got - ref).mean() > 10 * LOGPROB_ATOL, (got - ref).mean()
+
+    traces = verifiers_loop.run_until_complete(run(cfg))
     raw_gap = 0.0
     for trace in traces:
         assert not trace.has_error, trace.errors

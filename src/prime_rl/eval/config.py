@@ -1,6 +1,7 @@
 """Configs of the `eval` and `synthesize` entry points (torch-free, like every config module)."""
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -25,6 +26,10 @@ class RolloutsConfig(EntrypointConfig):
 
     client: ClientConfig = ClientConfig()
     """OpenAI-compatible endpoint(s) (`--client.base-urls`, API key from `api_key_var`); ignored with `[inference]`."""
+
+    api: Literal["tokens", "chat"] = "tokens"
+    """`tokens`: vLLM's token route (our server; chat template applied client-side, exact token counts);
+    `chat`: `/v1/chat/completions` of any OpenAI-compatible endpoint (token counts from its usage report)."""
 
     inference: InferenceConfig | None = None
     """Serve `model.name` with our inference server for the duration of the run (`--inference`)."""

@@ -150,7 +150,6 @@ def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
 
 
 def rollout_record(label: str, job: Job, index: int, result: RolloutResult) -> dict:
-    first = result.samples[0] if result.samples else None
     return {
         "policy": label,
         "env": job.env,
@@ -163,8 +162,8 @@ def rollout_record(label: str, job: Job, index: int, result: RolloutResult) -> d
         "error": result.error,
         "truncated": result.truncated,
         "num_turns": result.num_turns,
-        "prompt_tokens": first.loss_mask.index(True) if first and any(first.loss_mask) else 0,
-        "completion_tokens": sum(sum(s.loss_mask) for s in result.samples),
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
         "seconds": round(result.seconds, 4),
     }
 

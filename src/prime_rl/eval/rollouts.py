@@ -64,7 +64,7 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
     for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
     cache_default_factory_signatures()
-    worker = Worker(config, 0, keep_messages)
+    worker = Worker(config, 0, keep_messages, chat_api=config.api == "chat")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(close_shared_client)
         for env in worker.envs.values():

@@ -63,6 +63,10 @@ class RolloutResult(msgspec.Struct):
     """The final branch's conversation as OpenAI chat messages (only when the worker keeps them: `synthesize`)."""
     tools: list[dict] | None = None
     """The tools offered to the model, OpenAI function schemas (with `messages`)."""
+    prompt_tokens: int = 0
+    """Tokens of the first prompt."""
+    completion_tokens: int = 0
+    """Tokens the model generated, all turns."""
 
 
 class GroupDone(msgspec.Struct, tag=True):
@@ -206,13 +210,26 @@ def tool_schema(tool) -> dict:
     return {"type": "function", "function": function}
 
 
-def rollout_result(trace, seconds: float, keep_messages: bool = False) -> RolloutResult:
-    """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text."""
+def _token_counts(trace, samples: list[SampleTokens]) -> tuple[int, int]:
+    """(first prompt, generated) token counts: exact from the samples, else as the server's usage reports them."""
+    if samples:
+        first = samples[0].loss_mask
+        return (first.index(True) if any(first) else 0), sum(sum(s.loss_mask) for s in samples)
+    first_call = next((c for c in trace.calls if c.usage is not None), None)
+    total = trace.usage
+    return (first_call.usage.prompt_tokens if first_call else 0), (total.completion_tokens if total else 0)
+
+
+def rollout_result(trace, seconds: float, keep_messages: bool = False, tokens: bool = True) -> RolloutResult:
+    """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text.
+
+    `tokens=False` (a chat-completions endpoint): the trace has no token ids, which is then no error."""
     error, retryable = _error_of(trace)
     versions = _captured.pop(trace.id, {})
     samples = [] if error else trace_samples(trace.branches, versions)
-    if not error and not samples:
+    if tokens and not error and not samples:
         error = f"no sampled tokens (stop condition {trace.stop_condition})"
+    prompt_tokens, completion_tokens = _token_counts(trace, samples)
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
     for name, reward in (trace.rewards or {}).items():
         if reward is not None:
@@ -232,15 +249,17 @@ def rollout_result(trace, seconds: float, keep_messages: bool = False) -> Rollou
         seconds=seconds,
         messages=[chat_message(m) for m in messages] if keep_messages else None,
         tools=[tool_schema(t) for t in trace.tools] or None if keep_messages else None,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
     )
 
 
-def episode_results(episode, seconds: float, keep_messages: bool = False) -> list[RolloutResult]:
+def episode_results(episode, seconds: float, keep_messages: bool = False, tokens: bool = True) -> list[RolloutResult]:
     traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
     if not traces:
         errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
         return [RolloutResult(reward=0.0, samples=[], error=errors[:500], retryable=False, seconds=seconds)]
-    results = [rollout_result(t, seconds, keep_messages) for t in traces]
+    results = [rollout_result(t, seconds, keep_messages, tokens) for t in traces]
     if not episode.ok and episode.errors:
         # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
         message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
@@ -253,27 +272,53 @@ def episode_results(episode, seconds: float, keep_messages: bool = False) -> lis
 # The worker process.
 
 
+def request_sampling(sampling, chat_api: bool = False) -> dict:
+    """The sampling fields of every generation request.
+
+    On the token route every knob that shapes the distribution is sent, neutral where we have no setting: a
+    field left out is filled in by vLLM from the model's generation_config.json (Qwen3's says top_k 20, top_p
+    0.95, temperature 0.6), and the trainer, which scores tokens with the full softmax at `temperature`, would
+    model another sampler than the one that produced the rollouts. A chat API gets the OpenAI fields only
+    (OpenAI rejects the others); what it leaves out is the server's default.
+    """
+    fields = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+    if not chat_api:
+        fields |= {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    if sampling.max_tokens is not None:
+        fields["max_tokens"] = sampling.max_tokens
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed
+    return fields
+
+
 class Worker:
-    def __init__(self, config, index: int, keep_messages: bool = False):
+    """Runs rollout groups. By default against vLLM's token route (`/inference/v1/generate`, verifiers' train
+    client: the chat template is applied here, responses carry token ids and logprobs); with `chat_api`
+    against `/v1/chat/completions` of any OpenAI-compatible endpoint (verifiers' eval client: no token ids,
+    so nothing to train on; `eval`/`synthesize` only)."""
+
+    def __init__(self, config, index: int, keep_messages: bool = False, chat_api: bool = False):
         import verifiers.v1 as vf
 
         self.vf, self.config, self.index = vf, config, index
-        renderer = config.model.renderer_config()
-        self.clients = {
-            url: vf.TrainClientConfig(
-                base_url=url,
-                api_key_var=config.client.api_key_var,
-                renderer=renderer,
-                renderer_model_name=config.model.tokenizer or config.model.name,
-            )
-            for url in config.client.base_urls
-        }
-        sampling = {"temperature": config.sampling.temperature, "top_p": config.sampling.top_p}
-        if config.sampling.max_tokens is not None:
-            sampling["max_tokens"] = config.sampling.max_tokens
-        if config.sampling.seed is not None:
-            sampling["seed"] = config.sampling.seed
-        self.sampling = vf.SamplingConfig(**sampling)
+        if chat_api:
+            self.clients = {
+                url: vf.EvalClientConfig(base_url=url, api_key_var=config.client.api_key_var)
+                for url in config.client.base_urls
+            }
+        else:
+            renderer = config.model.renderer_config()
+            self.clients = {
+                url: vf.TrainClientConfig(
+                    base_url=url,
+                    api_key_var=config.client.api_key_var,
+                    renderer=renderer,
+                    renderer_model_name=config.model.tokenizer or config.model.name,
+                )
+                for url in config.client.base_urls
+            }
+        self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
+        self.chat_api = chat_api
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
         self.keep_messages = keep_messages
         self.max_lag = 0.0
@@ -296,7 +341,7 @@ class Worker:
                 episode = await env.run_episode(task, ctx)
             except Exception as e:  # the episode boundary records hook failures; this is a last resort
                 return [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
-            return episode_results(episode, time.perf_counter() - start, self.keep_messages)
+            return episode_results(episode, time.perf_counter() - start, self.keep_messages, not self.chat_api)
 
         groups = await asyncio.gather(*(one() for _ in range(request.n)))
         lag, self.max_lag = self.max_lag, 0.0
