@@ -22,8 +22,8 @@ PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistan
 def start_server(root, tied: bool) -> InferenceServer:
     """A server on a fresh tiny model under `root`, which is also its allowed weight root."""
     base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=tied))
-    # Qwen3's own sampling defaults, which vLLM applies to every request field left unset: clients that need
-    # the plain distribution (the orchestrator, for the trainer's logprobs) must say so in each request.
+    # Qwen3's own sampling defaults, which vLLM's chat route applies to request fields left unset: clients that
+    # need the plain distribution (the orchestrator, for the trainer's logprobs) say so in each request.
     generation_config = json.loads((base / "generation_config.json").read_text())
     generation_config.update(QWEN3_SAMPLING_DEFAULTS)
     (base / "generation_config.json").write_text(json.dumps(generation_config))

@@ -97,7 +97,8 @@ def test_chat_api_works_and_counts_tokens_from_usage(tied_server, tmp_path):
     for api in ("tokens", "chat"):
         proc = run_eval(tied_server, tmp_path / api, "--env", env, "--sampling.temperature", "0", "--api", api)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        by_api[api] = [json.loads(line) for line in (tmp_path / api / "results.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (tmp_path / api / "results.jsonl").read_text().splitlines()]
+        by_api[api] = sorted(records, key=lambda r: r["example_id"])  # the file is in completion order
     assert all(r["error"] is None and 1 <= r["completion_tokens"] <= 8 for r in by_api["chat"])
     # Our renderer (enable_thinking false) prefills an empty think block; the server's template, given no
     # template arguments, does not: the prompts differ by exactly that block, on every example.

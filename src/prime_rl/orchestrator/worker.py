@@ -275,11 +275,11 @@ def episode_results(episode, seconds: float, keep_messages: bool = False, tokens
 def request_sampling(sampling, chat_api: bool = False) -> dict:
     """The sampling fields of every generation request.
 
-    On the token route every knob that shapes the distribution is sent, neutral where we have no setting: a
-    field left out is filled in by vLLM from the model's generation_config.json (Qwen3's says top_k 20, top_p
-    0.95, temperature 0.6), and the trainer, which scores tokens with the full softmax at `temperature`, would
-    model another sampler than the one that produced the rollouts. A chat API gets the OpenAI fields only
-    (OpenAI rejects the others); what it leaves out is the server's default.
+    On the token route every knob that shapes the distribution is sent, neutral where we have no setting: the
+    trainer scores tokens with the full softmax at `temperature`, and a server that filled a left-out field
+    from the model's generation_config.json (Qwen3's says top_k 20, top_p 0.95), as vLLM's chat route does,
+    would sample from another distribution without the logprobs showing it. A chat API gets the OpenAI fields
+    only (OpenAI rejects the others); what it leaves out is the server's default.
     """
     fields = {"temperature": sampling.temperature, "top_p": sampling.top_p}
     if not chat_api:
