@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
@@ -104,6 +104,9 @@ def test_loss_falls_weights_load_and_resume_continues_the_data_stream(model_dir,
     assert nll(straight / "weights" / "step_6", tokenizer, example) < base_nll
     assert nll(straight / "weights" / "step_12", tokenizer, example) < base_nll - 1.0
     assert not (straight / "weights" / "step_4").exists()
+    # The export keeps the base's generation config: both end tokens, where config.json names one.
+    ends = GenerationConfig.from_pretrained(straight / "weights" / "step_12").eos_token_id
+    assert ends == GenerationConfig.from_pretrained(model_dir).eos_token_id and len(ends) == 2
 
     # Resume at step 4 (as if the run had stopped there): steps 5-8 must see the same data as the straight
     # run, and, with the same weights, optimizer state, data and world size on deterministic CPU kernels,

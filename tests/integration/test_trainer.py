@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
@@ -89,11 +89,14 @@ def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
         "5",
     )
     base = load_file(model_dir / "model.safetensors")
+    base_ends = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    assert len(base_ends) == 2  # config.json names only one
     previous = base
     for step in (1, 2, 3):
         directory = out / "broadcasts" / f"step_{step}"
         assert (directory / "STABLE").exists()
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # loads as a HF model
+        assert model.generation_config.eos_token_id == base_ends  # both end tokens of the base's generation config
         weights = published(out, step)
         assert set(weights) == set(base)  # same names (tied: no lm_head), what the inference server checks
         master = trainer_params(out / "checkpoints" / f"step_{step}" / "trainer", tmp_path)

@@ -122,7 +122,7 @@ def export_weights(model, tokenizer, dtype: torch.dtype, target: Path, world: Wo
     """Write a Hugging Face directory (atomically) that `from_pretrained` and the inference server load."""
     state = full_state_dict(model, dtype)  # a collective; empty on ranks other than 0
     if world.is_main:
-        save_hf_dir(state, model.config, tokenizer, target)
+        save_hf_dir(state, model.config, tokenizer, target, generation_config=model.generation_config)
         logger.info(f"exported weights to {target}")
     del state
     dist.barrier()

@@ -203,7 +203,8 @@ def run(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             t_pub = time.perf_counter()
             state = full_state_dict(model, publish_dtype)
             if world.is_main:
-                save_hf_dir(state, model.config, tokenizer, broadcast_dir(config.output_dir, step), marker=STABLE)
+                target = broadcast_dir(config.output_dir, step)
+                save_hf_dir(state, model.config, tokenizer, target, STABLE, model.generation_config)
                 keep = set(range(0, step + 1, config.ckpt.interval)) if config.ckpt else set()
                 prune_broadcasts(config.output_dir, step, config.max_async_level, keep)
             del state

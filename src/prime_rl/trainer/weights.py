@@ -37,9 +37,19 @@ def full_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def save_hf_dir(
-    state: dict[str, torch.Tensor], model_config, tokenizer, target: Path, marker: str | None = None
+    state: dict[str, torch.Tensor],
+    model_config,
+    tokenizer,
+    target: Path,
+    marker: str | None = None,
+    generation_config=None,
 ) -> Path:
-    """Write `state` as an HF model directory at `target`, atomically (tmp dir + rename, then `marker`)."""
+    """Write `state` as an HF model directory at `target`, atomically (tmp dir + rename, then `marker`).
+
+    `generation_config` (the source model's) carries what config.json may lack, such as every end-of-turn token
+    (Llama-3's config names only <|end_of_text|>, its generation_config also <|eot_id|>): without it, a server
+    of the exported weights would not stop at the end of a turn.
+    """
     target = Path(target)
     with atomic_dir(target) as tmp:
         split = split_torch_state_dict_into_shards(
@@ -51,6 +61,8 @@ def save_hf_dir(
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         model_config.save_pretrained(tmp)
+        if generation_config is not None:  # written as is: save_pretrained would reject sampling flags without
+            (tmp / "generation_config.json").write_text(generation_config.to_json_string())  # do_sample
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     if marker:
