@@ -2,6 +2,7 @@
 
 import glob
 import json
+import os
 
 import pytest
 from wandb_offline import wandb_records
@@ -52,11 +53,19 @@ def test_trainer_and_orchestrator_become_two_offline_runs_in_one_group(tmp_path,
     monitors["orchestrator"].log_table(2, "samples", ["prompt", "completion", "reward"], [["a", "b", 1.0]])
     for monitor in monitors.values():
         monitor.close()
+    # finish() can return before wandb-core has closed the run's transaction log: records reach the .wandb file only
+    # when a 32 KiB block fills or the stream closes (a loaded CI machine read a file that held the header alone).
+    # Shutting the service down waits for every stream to close, as a process exit does.
+    import wandb
+
+    wandb.teardown()
 
     runs = {}
     for path in glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb")):
         records = list(wandb_records(path))
-        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        kinds = [r.WhichOneof("record_type") for r in records]
+        assert "run" in kinds and kinds[-1] == "exit", (path, os.path.getsize(path), kinds)
+        run = records[kinds.index("run")].run
         history = {}
         for r in records:
             if r.WhichOneof("record_type") == "history":
