@@ -130,13 +130,14 @@ async def run_jobs(
 # Serving the model ourselves.
 
 
-def start_inference(config: RolloutsConfig, weight_paths: list[Path]) -> Process:
-    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns."""
+def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path]) -> Process:
+    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns. Its config
+    goes to `{output_dir}/configs/<name>/inference.toml`, named after the command that served it."""
     inference = config.inference
     if inference.allowed_weight_roots is None:
         inference.allowed_weight_roots = sorted({p.resolve().parent for p in weight_paths}) or None
     inference.output_dir = config.output_dir
-    launch_dir = config.output_dir / "configs" / "eval"
+    launch_dir = config.output_dir / "configs" / name
     cfg = launch_dir / "inference.toml"
     write_atomic(cfg, to_toml(inference).encode())
     env = dict(os.environ)
@@ -159,7 +160,7 @@ def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], r
     server = None
     try:
         if config.inference is not None:
-            server = start_inference(config, weight_paths)
+            server = start_inference(name, config, weight_paths)
         return asyncio.run(run())
     except KeyboardInterrupt:
         logger.warning("interrupted")

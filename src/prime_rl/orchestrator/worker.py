@@ -220,14 +220,14 @@ def _token_counts(trace, samples: list[SampleTokens]) -> tuple[int, int]:
     return (first_call.usage.prompt_tokens if first_call else 0), (total.completion_tokens if total else 0)
 
 
-def rollout_result(trace, seconds: float, keep_messages: bool = False, tokens: bool = True) -> RolloutResult:
+def rollout_result(trace, seconds: float, keep_messages: bool = False, chat_api: bool = False) -> RolloutResult:
     """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text.
 
-    `tokens=False` (a chat-completions endpoint): the trace has no token ids, which is then no error."""
+    `chat_api` (a chat-completions endpoint): the trace has no token ids, which is then no error."""
     error, retryable = _error_of(trace)
     versions = _captured.pop(trace.id, {})
     samples = [] if error else trace_samples(trace.branches, versions)
-    if tokens and not error and not samples:
+    if not chat_api and not error and not samples:
         error = f"no sampled tokens (stop condition {trace.stop_condition})"
     prompt_tokens, completion_tokens = _token_counts(trace, samples)
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
@@ -254,12 +254,14 @@ def rollout_result(trace, seconds: float, keep_messages: bool = False, tokens: b
     )
 
 
-def episode_results(episode, seconds: float, keep_messages: bool = False, tokens: bool = True) -> list[RolloutResult]:
+def episode_results(
+    episode, seconds: float, keep_messages: bool = False, chat_api: bool = False
+) -> list[RolloutResult]:
     traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
     if not traces:
         errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
         return [RolloutResult(reward=0.0, samples=[], error=errors[:500], retryable=False, seconds=seconds)]
-    results = [rollout_result(t, seconds, keep_messages, tokens) for t in traces]
+    results = [rollout_result(t, seconds, keep_messages, chat_api) for t in traces]
     if not episode.ok and episode.errors:
         # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
         message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
@@ -301,22 +303,14 @@ class Worker:
         import verifiers.v1 as vf
 
         self.vf, self.config, self.index = vf, config, index
-        if chat_api:
-            self.clients = {
-                url: vf.EvalClientConfig(base_url=url, api_key_var=config.client.api_key_var)
-                for url in config.client.base_urls
+        client_cls, client_args = vf.EvalClientConfig, {"api_key_var": config.client.api_key_var}
+        if not chat_api:
+            client_cls = vf.TrainClientConfig
+            client_args |= {
+                "renderer": config.model.renderer_config(),
+                "renderer_model_name": config.model.tokenizer or config.model.name,
             }
-        else:
-            renderer = config.model.renderer_config()
-            self.clients = {
-                url: vf.TrainClientConfig(
-                    base_url=url,
-                    api_key_var=config.client.api_key_var,
-                    renderer=renderer,
-                    renderer_model_name=config.model.tokenizer or config.model.name,
-                )
-                for url in config.client.base_urls
-            }
+        self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_urls}
         self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
         self.chat_api = chat_api
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
@@ -341,7 +335,7 @@ class Worker:
                 episode = await env.run_episode(task, ctx)
             except Exception as e:  # the episode boundary records hook failures; this is a last resort
                 return [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
-            return episode_results(episode, time.perf_counter() - start, self.keep_messages, not self.chat_api)
+            return episode_results(episode, time.perf_counter() - start, self.keep_messages, self.chat_api)
 
         groups = await asyncio.gather(*(one() for _ in range(request.n)))
         lag, self.max_lag = self.max_lag, 0.0
