@@ -133,7 +133,7 @@ def run_one(server: InferenceServer, base: Path, out: Path, inflight: int, worke
         "--output-dir", str(out),
         "--model.name", str(base),
         "--model.renderer", RENDERER,
-        "--client.base-urls", f'["{server.url}/v1"]',
+        "--client.base-url", f'["{server.url}/v1"]',
         "--client.api-key-var", KEY_VAR,
         "--env", json.dumps([{"id": args.env}]),
         "--workers", str(workers),

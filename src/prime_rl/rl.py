@@ -138,7 +138,7 @@ class RLConfig(EntrypointConfig):
             orch.wandb = _merge(orch.wandb, WandbConfig, "orchestrator.wandb", "wandb", **shared)
         if inf is not None:
             url = f"http://{_client_host(inf.server.host)}:{inf.server.port}/v1"
-            _share(orch.client, "base_urls", [url], "orchestrator.client", "inference.server (host, port)")
+            _share(orch.client, "base_url", [url], "orchestrator.client", "inference.server (host, port)")
             if inf.server.api_key is not None:
                 _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "inference.server.api_key")
         self._check_agreement()
@@ -339,7 +339,7 @@ def launch(config: RLConfig) -> int:
     try:
         if inference is not None:
             inference.start()
-            url = config.orchestrator.client.base_urls[0].removesuffix("/v1")
+            url = config.orchestrator.client.base_url[0].removesuffix("/v1")
             logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
             deadline = time.monotonic() + config.inference_timeout
             while True:  # wait_healthy in slices, so Ctrl-C is honoured while vLLM starts

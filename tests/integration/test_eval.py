@@ -25,7 +25,7 @@ def run_eval(srv, out: Path, *extra: str, key: str = API_KEY, url: str | None = 
         "--output-dir", str(out),
         "--model.name", str(srv.base),
         "--model.renderer", '{"name": "qwen3", "enable_thinking": false}',
-        "--client.base-urls", f'["{url or srv.url}/v1"]',
+        "--client.base-url", f'["{url or srv.url}/v1"]',
         "--client.api-key-var", KEY_VAR,
         "--seq-len", "512",
         "--sampling.max-tokens", "8",

@@ -35,7 +35,7 @@ def orchestrator_args(srv, out: Path, *extra: str) -> list[str]:
         "--output-dir", str(out),
         "--model.name", str(srv.base),
         "--model.renderer", RENDERER,
-        "--client.base-urls", f'["{srv.url}/v1"]',
+        "--client.base-url", f'["{srv.url}/v1"]',
         "--client.api-key-var", KEY_VAR,
         "--workers", "1",
         "--seq-len", "512",
@@ -122,7 +122,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     assert httpx.post(f"{srv.url}/reload_weights", json={}, headers=srv.headers, timeout=60).status_code == 200
     config = OrchestratorConfig(
         model={"name": str(srv.base), "renderer": json.loads(RENDERER)},
-        client={"base_urls": [f"{srv.url}/v1"], "api_key_var": KEY_VAR},
+        client={"base_url": [f"{srv.url}/v1"], "api_key_var": KEY_VAR},
         env=[{"id": "reverse-text"}, {"id": "guess-number", "args": {"max_turns": 3}}],
         sampling={"max_tokens": 10},
         seq_len=512,
@@ -237,7 +237,7 @@ def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
         "--max-steps", "10", "--batch-size", "40", "--max-async-level", "100",
         "--env", '[{"id": "reverse-text", "ratio": 3}, {"id": "arithmetic", "ratio": 1}]',
         "--sampling.max-tokens", "4",
-        "--client.base-urls", f'["{srv.url}/v1", "http://localhost:{srv.port}/v1"]',
+        "--client.base-url", f'["{srv.url}/v1", "http://localhost:{srv.port}/v1"]',
     )  # fmt: skip
     rows = metrics(out)
     counts = {env: sum(m.get(f"rollouts/{env}", 0) for m in rows) for env in ("reverse-text", "arithmetic")}

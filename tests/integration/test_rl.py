@@ -1,6 +1,6 @@
 """`rl` end to end on the tiny model: async levels, failures of each process, resume, bad configs.
 
-Most runs use the session's inference server as an external server (`orchestrator.client.base_urls`, no
+Most runs use the session's inference server as an external server (`orchestrator.client.base_url`, no
 `[inference]` section) to save vLLM's ~100 s start; the inference-failure test lets `rl` start its own."""
 
 import json
@@ -25,7 +25,7 @@ def write_config(
     path: Path, srv, out: Path, k: int, steps: int, managed_inference: bool = False, extra: str = ""
 ) -> Path:
     client = (
-        "" if managed_inference else f'[orchestrator.client]\nbase_urls = ["{srv.url}/v1"]\napi_key_var = "{KEY_VAR}"\n'
+        "" if managed_inference else f'[orchestrator.client]\nbase_url = ["{srv.url}/v1"]\napi_key_var = "{KEY_VAR}"\n'
     )
     inference = "[inference.model]\nmax_model_len = 512\nenforce_eager = true\n" if managed_inference else ""
     path.write_text(

@@ -29,7 +29,7 @@ def synthesize(srv, out: Path, *extra: str) -> tuple[list[dict], dict]:
         "--output-dir", str(out),
         "--model.name", str(srv.base),
         "--model.renderer", '{"name": "qwen3", "enable_thinking": false}',
-        "--client.base-urls", f'["{srv.url}/v1"]',
+        "--client.base-url", f'["{srv.url}/v1"]',
         "--client.api-key-var", KEY_VAR,
         "--seq-len", "512",
         "--sampling.max-tokens", "8",

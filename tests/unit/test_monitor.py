@@ -90,7 +90,8 @@ def test_trainer_and_orchestrator_become_two_offline_runs_in_one_group(tmp_path,
         ("trainer", 1), ("trainer", 2), ("orchestrator", 1), ("orchestrator", 2)
     ]  # fmt: skip
     assert summary["distribution/reward/mean"] == 0.5
-    assert not (tmp_path / "out" / "wandb").exists()  # WANDB_DIR wins over the output directory
+    # WANDB_DIR wins over the output directory, which keeps only the run ids a resume continues
+    assert sorted(p.name for p in (out / "wandb").iterdir()) == ["orchestrator.run-id", "trainer.run-id"]
 
 
 def test_wandb_section_flags(capsys):
@@ -156,3 +157,29 @@ def test_orchestrator_log_extras(tmp_path):
 
     assert log_extras(20, groups, advantages, monitor, LogExtrasConfig(samples=False, distributions=False)) == {}
     assert len(read_lines(tmp_path / "tables.jsonl")) == 1
+
+
+def test_a_resumed_process_continues_its_run_and_a_failed_one_is_marked(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb").mkdir()
+    out, config = tmp_path / "out", WandbConfig(project="tests", name="exp")
+    ids = []
+    for resume, step, exit_code in ((False, 1, 1), (True, 2, 0), (False, 1, 0)):  # crash, resume, new run
+        monitor = Monitor(out, "trainer", config, resume=resume)
+        ids.append(monitor.run.id)
+        monitor.log(step, {"loss": 0.5})
+        monitor.close(exit_code)
+    wandb.teardown()  # see above: the run files are complete once the service is down
+
+    assert ids[0] == ids[1] != ids[2]
+    assert (out / "wandb" / "trainer.run-id").read_text() == ids[2]  # the next resume continues the new run
+    files = []
+    for path in glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb")):
+        records = {r.WhichOneof("record_type"): r for r in wandb_records(path)}  # the last record of each kind
+        steps = [r.history.step.num for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
+        files.append((records["run"].run.run_id, steps, records["exit"].exit.exit_code))
+    assert sorted(files) == sorted([(ids[0], [1], 1), (ids[0], [2], 0), (ids[2], [1], 0)])

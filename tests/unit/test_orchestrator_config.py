@@ -14,7 +14,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
         ({"env": [{"id": "a", "ratio": 3}, {"id": "b"}]}, "on every environment or on none"),
         ({"env": []}, "at least one environment"),
         ({"advantage": {"estimator": "rloo"}, "rollouts_per_example": 1, "batch_size": 4}, "rloo needs"),
-        ({"client": {"base_urls": ["http://host:8000"]}}, "must end in /v1"),
+        ({"client": {"base_url": ["http://host:8000"]}}, "must end in /v1"),
         ({"oversampling": 0.5}, "oversampling"),
     ],
 )
@@ -27,7 +27,7 @@ def test_defaults_and_derived_values():
     config = OrchestratorConfig(env=[{"id": "reverse-text", "name": "rt"}, {"id": "arithmetic"}])
     assert config.groups_per_batch == 8  # 64 / 8
     assert [e.display_name for e in config.env] == ["rt", "arithmetic"]
-    assert config.client.base_urls == ["http://localhost:8000/v1"]
+    assert config.client.base_url == ["http://localhost:8000/v1"]
 
 
 def test_renderer_is_validated_when_used():
@@ -35,3 +35,20 @@ def test_renderer_is_validated_when_used():
     with pytest.raises(ValueError, match="not a valid renderers config"):
         config.model.renderer_config()
     assert OrchestratorConfig(model={"renderer": {"name": "qwen3"}}).model.renderer_config().name == "qwen3"
+
+
+def test_base_url_takes_one_url_or_several(tmp_path, capsys):
+    from prime_rl.config.loader import load_config
+
+    def urls(*argv):
+        return load_config(OrchestratorConfig, "orchestrator", list(argv))[0].client.base_url
+
+    assert urls("--client.base-url", "http://a:8000/v1/") == ["http://a:8000/v1"]
+    assert urls("--client.base-url", "http://a:8000/v1,http://b:8000/v1") == ["http://a:8000/v1", "http://b:8000/v1"]
+    assert urls("--client.base-url", '["http://a:8000/v1", "http://b:8000/v1"]') == [
+        "http://a:8000/v1",
+        "http://b:8000/v1",
+    ]
+    toml = tmp_path / "o.toml"
+    toml.write_text('[client]\nbase_url = "http://c:8000/v1"\n')
+    assert urls("@", str(toml)) == ["http://c:8000/v1"]

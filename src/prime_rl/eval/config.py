@@ -25,7 +25,7 @@ class RolloutsConfig(EntrypointConfig):
     """The model as the endpoint serves it (name, client-side tokenizer and renderer)."""
 
     client: ClientConfig = ClientConfig()
-    """OpenAI-compatible endpoint(s) (`--client.base-urls`, API key from `api_key_var`); ignored with `[inference]`."""
+    """OpenAI-compatible endpoint(s) (`--client.base-url`, API key from `api_key_var`); ignored with `[inference]`."""
 
     api: Literal["tokens", "chat"] = "tokens"
     """`tokens`: vLLM's token route (our server; chat template applied client-side, exact token counts);
@@ -64,7 +64,7 @@ class RolloutsConfig(EntrypointConfig):
             raise ValueError(f"env names must be unique, got {names}; set `name` to tell them apart")
         if self.inference is not None:
             self.inference.model.name = self.model.name
-            self.client.base_urls = [f"http://127.0.0.1:{self.inference.server.port}/v1"]
+            self.client.base_url = [f"http://127.0.0.1:{self.inference.server.port}/v1"]
         return self
 
 

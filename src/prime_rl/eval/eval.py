@@ -4,7 +4,7 @@
     uv run eval --model.name outputs/model --inference --env '[{"id": "reverse-text", "num_examples": 50}]'
     uv run eval @ cfg.toml --weights-dir outputs/rl/broadcasts      # base + every saved step, one server
 
-Against any OpenAI-compatible endpoint (`client.base_urls`, key from `client.api_key_var`), or a model this
+Against any OpenAI-compatible endpoint (`client.base_url`, key from `client.api_key_var`), or a model this
 command serves itself (`[inference]`). Policies after the first are loaded in place with `/update_weights`, so
 the server starts once. Writes `results.jsonl` (one line per rollout) and `summary.json` to `output_dir`, plus
 `reward_vs_step.png` when several policies are evaluated; prints a table and, per environment, one line
@@ -131,7 +131,7 @@ def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
     """Every server serves `path` (None: its own model again, `/reload_weights`) when this returns."""
     key = os.environ.get(config.client.api_key_var)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    for url in config.client.base_urls:
+    for url in config.client.base_url:
         root = url.removesuffix("/v1")
         if path is None:
             route, body = "/reload_weights", {}

@@ -82,7 +82,7 @@ async def run_jobs(
     """Run every job to completion (results land in `job.results`); returns the wall time in seconds.
 
     A progress bar on stderr counts finished rollouts and shows the running mean reward."""
-    urls = itertools.cycle(config.client.base_urls)
+    urls = itertools.cycle(config.client.base_url)
     ids = itertools.count()
     limit = asyncio.Semaphore(config.max_concurrent)
     total = sum(job.n for job in jobs)
@@ -148,7 +148,7 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     log_dir.mkdir(parents=True, exist_ok=True)
     server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
     server.start()
-    url = config.client.base_urls[0].removesuffix("/v1")
+    url = config.client.base_url[0].removesuffix("/v1")
     logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
     wait_healthy(server, url, config.inference_timeout)
     return server

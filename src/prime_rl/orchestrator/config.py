@@ -21,8 +21,9 @@ class AdvantageConfig(BaseConfig):
 
 
 class ClientConfig(BaseConfig):
-    base_urls: list[str] = ["http://localhost:8000/v1"]
-    """OpenAI base URLs of the inference servers (ending in `/v1`); groups are spread over them by load."""
+    base_url: list[str] = ["http://localhost:8000/v1"]
+    """OpenAI base URL(s) of the inference servers, ending in `/v1` (one URL, a comma-separated or JSON list);
+    groups are spread over them by load."""
 
     api_key_var: str = "VLLM_API_KEY"
     """Environment variable holding the inference servers' API key (unset: no key)."""
@@ -30,7 +31,12 @@ class ClientConfig(BaseConfig):
     timeout: float = Field(1800.0, gt=0)
     """Seconds an admin call (weight update, health check) may take before it counts as failed."""
 
-    @field_validator("base_urls")
+    @field_validator("base_url", mode="before")
+    @classmethod
+    def _one_url_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("base_url")
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
         if not urls:

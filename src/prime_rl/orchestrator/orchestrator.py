@@ -172,17 +172,19 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
     buffer = Buffer(config.buffer, {name: len(t) for name, t in tasks.items()}, ratios)
     progress = ckpt.Progress()
-    if config.ckpt is not None and config.ckpt.resume_step is not None:
+    resuming = config.ckpt is not None and config.ckpt.resume_step is not None
+    if resuming:
         step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
         progress, buffer_state = ckpt.load(output_dir, step)
         buffer.load_state_dict(buffer_state)
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
 
-    monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"))
-    servers = InferenceServers(config.client.base_urls, config.client.api_key_var, config.client.timeout, output_dir)
+    monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)
+    servers = InferenceServers(config.client.base_url, config.client.api_key_var, config.client.timeout, output_dir)
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
     lag = LoopLagMonitor()
     lag_task = asyncio.create_task(lag.run())
+    exit_code = 1
     try:
         await servers.wait_healthy()
         # A fresh run starts from base weights even on a server reused from an earlier run.
@@ -220,11 +222,12 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             buffer.reset_step_metrics()
             if config.ckpt is not None and step % config.ckpt.interval == 0:
                 logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict())}")
+        exit_code = 0
     finally:
         lag_task.cancel()
         await workers.close()
         await servers.close()
-        monitor.close()
+        monitor.close(exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

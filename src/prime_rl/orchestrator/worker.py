@@ -310,7 +310,7 @@ class Worker:
                 "renderer": config.model.renderer_config(),
                 "renderer_model_name": config.model.tokenizer or config.model.name,
             }
-        self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_urls}
+        self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_url}
         self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
         self.chat_api = chat_api
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}

@@ -136,11 +136,13 @@ def main(argv: list[str] | None = None) -> None:
         logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
     if world.is_main:
         write_resolved_config(config, "trainer")
-    monitor = None
+    monitor, exit_code = None, 1
     try:
         if world.is_main:
-            monitor = Monitor(config.output_dir, "trainer", config.wandb, config.model_dump(mode="json"))
+            resume = config.ckpt is not None and config.ckpt.resume_step is not None
+            monitor = Monitor(config.output_dir, "trainer", config.wandb, config.model_dump(mode="json"), resume)
         run(config, world, monitor)
+        exit_code = 0
     except (BatchError, FileNotFoundError, SetupError, MonitorError) as e:
         # Bad input or settings: every rank raises the same message; print it once, without a traceback.
         if world.is_main:
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         if monitor is not None:
-            monitor.close()
+            monitor.close(exit_code)
         if dist.is_initialized():
             dist.destroy_process_group()
 

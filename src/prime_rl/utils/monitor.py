@@ -4,10 +4,13 @@
     monitor.log(step, {"loss": 0.1})
     metrics |= monitor.log_distribution(step, "distribution/reward", rewards)
     monitor.log_table(step, "samples", ["prompt", "completion"], rows)
-    monitor.close()
+    monitor.close(exit_code)
 
 Every process of a run gets its own W&B run, `<name>-<process>`, in one group, all logged against the
-training step (`step=`), so the trainer's and the orchestrator's curves line up.
+training step (`step=`), so the trainer's and the orchestrator's curves line up. A process resumed from a
+checkpoint continues its W&B run (the id is kept in `{output_dir}/wandb/<process>.run-id`); W&B ignores steps
+at or below the last one it has, so the steps redone after a crash keep their first values there, while
+metrics.jsonl gets a line for each.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.metrics import append_metrics
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -45,12 +49,13 @@ class Monitor:
         process: str,
         wandb_config: WandbConfig | None = None,
         run_config: dict[str, Any] | None = None,
+        resume: bool = False,
     ):
         self.output_dir, self.process = Path(output_dir), process
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.run = None
         if wandb_config is not None:
-            self.run = _init_wandb(self.output_dir, process, wandb_config, run_config or {})
+            self.run = _init_wandb(self.output_dir, process, wandb_config, run_config or {}, resume)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         append_metrics(self.output_dir, self.process, step, metrics)
@@ -78,19 +83,24 @@ class Monitor:
 
             self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """A non-zero `exit_code` marks the W&B run failed."""
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self.run = None
 
 
-def _init_wandb(output_dir: Path, process: str, config: WandbConfig, run_config: dict[str, Any]):
+def _init_wandb(output_dir: Path, process: str, config: WandbConfig, run_config: dict[str, Any], resume: bool):
     import wandb  # only when configured: the import costs seconds
 
     prefix = config.name or output_dir.resolve().name
+    id_file = output_dir / "wandb" / f"{process}.run-id"
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else None  # None: W&B picks a new id
     try:
-        return wandb.init(
+        run = wandb.init(
             project=config.project,
+            id=run_id,
+            resume="allow" if run_id else None,
             name=f"{prefix}-{process}",
             group=config.group or prefix,
             job_type=process,
@@ -105,3 +115,5 @@ def _init_wandb(output_dir: Path, process: str, config: WandbConfig, run_config:
         raise MonitorError(
             f"W&B run {prefix}-{process} could not start: {e} (log in with `wandb login`, or use --wandb.offline)"
         ) from e
+    write_atomic(id_file, run.id.encode())
+    return run
