@@ -179,7 +179,8 @@ def test_a_resumed_process_continues_its_run_and_a_failed_one_is_marked(tmp_path
     assert (out / "wandb" / "trainer.run-id").read_text() == ids[2]  # the next resume continues the new run
     files = []
     for path in glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb")):
-        records = {r.WhichOneof("record_type"): r for r in wandb_records(path)}  # the last record of each kind
-        steps = [r.history.step.num for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
-        files.append((records["run"].run.run_id, steps, records["exit"].exit.exit_code))
+        records = list(wandb_records(path))
+        last = {r.WhichOneof("record_type"): r for r in records}  # the last record of each kind
+        steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
+        files.append((last["run"].run.run_id, steps, last["exit"].exit.exit_code))
     assert sorted(files) == sorted([(ids[0], [1], 1), (ids[0], [2], 0), (ids[2], [1], 0)])
