@@ -14,6 +14,7 @@ non-zero naming the process, its exit code and the end of its output.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -35,9 +36,11 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.config import CheckpointConfig as TrainerCheckpointConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.health import wait_healthy
+from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.monitor_config import WandbConfig
-from prime_rl.utils.processes import Process, stop_all, wait_healthy
+from prime_rl.utils.processes import Process, stop_all
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 BIN = Path(sys.executable).parent
@@ -214,7 +217,7 @@ def _merge(current, cls, section_name: str, shared_name: str, **shared):
 
 def fail(message: str) -> None:
     """Preflight errors exit like config errors: one line, exit code 2, nothing started."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"rl: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -249,6 +252,29 @@ def resolve_resume(config: RLConfig) -> int | None:
     return step
 
 
+def check_environments(config: RLConfig) -> None:
+    """Load every environment and check its prompts against seq_len, as the orchestrator will: a bad environment
+    config is reported now, not after a minute or two of vLLM start-up."""
+    from prime_rl.orchestrator.orchestrator import load_environments
+
+    try:
+        config.orchestrator.model.renderer_config()
+        load_environments(config.orchestrator)
+    except (RuntimeError, ValueError) as e:
+        fail(str(e))
+
+
+def claim_output_dir(output_dir: Path) -> OutputDirLock:
+    """Refuse to start while another run (or a process it left behind) writes to `output_dir`: two trainers or
+    orchestrators there would consume each other's batches. Held until `rl` exits; the kernel drops it if we die."""
+    try:
+        lock = OutputDirLock(output_dir, "rl")
+        check_free(output_dir, ["trainer", "orchestrator"])
+    except OutputDirBusy as e:
+        fail(str(e))
+    return lock
+
+
 def clean_stale_outputs(output_dir: Path, resume_step: int | None) -> None:
     """Batches and weights of an earlier run would be consumed as if new: drop them (after the resumed step)."""
     for kind in ("rollouts", "broadcasts"):
@@ -267,8 +293,12 @@ PROBLEM_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL)\s+\| \S+ \| [^|]+ \| (.*
 
 
 def follow_logs(log_dir: Path, names: list[str], stop: threading.Event) -> None:
-    """Print the step lines (and warnings) of the orchestrator and trainer logs on the console."""
+    """Print the step lines (and warnings) of the orchestrator and trainer logs on the console, from what is
+    written after we start: a resumed run appends to the logs of the run it continues, whose lines were shown."""
     files: dict[str, object] = {}
+    start_at = {
+        name: (log_dir / f"{name}.log").stat().st_size if (log_dir / f"{name}.log").exists() else 0 for name in names
+    }
     while not stop.is_set():
         for name in names:
             if name not in files:
@@ -276,6 +306,7 @@ def follow_logs(log_dir: Path, names: list[str], stop: threading.Event) -> None:
                 if not path.exists():
                     continue
                 files[name] = open(path, errors="replace")
+                files[name].seek(start_at[name])
             for line in files[name].readlines():
                 if m := STEP_LINE.search(line.rstrip()):
                     print(f"[{name}] {m.group(1)}", flush=True)
@@ -342,15 +373,18 @@ def launch(config: RLConfig) -> int:
             url = config.orchestrator.client.base_url[0].removesuffix("/v1")
             logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
             deadline = time.monotonic() + config.inference_timeout
-            while True:  # wait_healthy in slices, so Ctrl-C is honoured while vLLM starts
+            while True:  # wait in slices, so Ctrl-C is honoured while vLLM starts
                 if interrupted:
                     raise KeyboardInterrupt
                 try:
-                    wait_healthy(inference, url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                    slice_ = min(2.0, max(0.1, deadline - time.monotonic()))
+                    asyncio.run(wait_healthy([url], slice_, process=inference, warn_every=float("inf")))
                     break
-                except RuntimeError:
-                    if inference.poll() is not None or time.monotonic() > deadline:
-                        raise
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"inference not healthy after {config.inference_timeout:.0f}s:\n{inference.tail()}"
+                        ) from None
             logger.info("inference is healthy")
         orchestrator.start()
         trainer.start()
@@ -386,17 +420,17 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(RLConfig, "rl", argv)
     for name in {config.trainer.model.name, *([config.inference.model.name] if config.inference else [])}:
         check_model_exists(name)
-    try:
-        config.orchestrator.model.renderer_config()
-    except ValueError as e:
-        fail(str(e))
+    check_environments(config)
+    lock = claim_output_dir(config.output_dir)
     resume_step = resolve_resume(config)
     setup_logging("rl", config.log.level, config.output_dir / "logs")
     write_resolved_config(config, "rl")
     clean_stale_outputs(config.output_dir, resume_step)
     if resume_step is not None:
         logger.info(f"resuming trainer and orchestrator from step {resume_step}")
-    sys.exit(launch(config))
+    code = launch(config)
+    lock.release()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

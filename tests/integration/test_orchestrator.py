@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import API_KEY, start_server
+from conftest import API_KEY
 from transformers import AutoModelForCausalLM
 
 from prime_rl.batch import batch_path, read_batch
@@ -114,7 +114,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     import renderers.client as rc
 
     from prime_rl.orchestrator.config import OrchestratorConfig
-    from prime_rl.orchestrator.orchestrator import load_tasks
+    from prime_rl.orchestrator.envs import load_tasks
     from prime_rl.orchestrator.worker import RunGroup, Worker, install_version_capture
 
     srv = tied_server
@@ -143,7 +143,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
 
     monkeypatch.setattr(rc, "parse_generate_response", spy_parse)
     monkeypatch.setattr(rc, "generate", spy_generate)
-    tasks = load_tasks(config)
+    tasks = load_tasks(config.env, config.seq_len)
     worker = Worker(config, 0)
 
     async def run():
@@ -185,45 +185,86 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     assert max_diff < LOGPROB_ATOL
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k):
-    """A stand-in trainer publishes pi_n one second after batch n appears. Batch n never contains a token
-    from a policy older than n-1-k; with k=0 every token comes from exactly pi_{n-1}."""
-    srv = tied_server
-    out = srv.root / "runs" / f"async_k{k}"
-    steps = 4
-    proc = start_orchestrator(srv, out, "--max-async-level", str(k), "--max-steps", str(steps))
+FLAKY_MIX = '[{"id": "reverse-text", "ratio": 1}, {"id": "vf-flaky-env", "ratio": 1}]'
 
-    def trainer():
+
+def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int, before_publish=None) -> threading.Thread:
+    """What the trainer does, minus the training: publish pi_n one second after batch n appears."""
+
+    def run():
         for n in range(1, steps + 1):
             while not batch_path(out, n).exists():
                 if proc.poll() is not None:
                     return
                 time.sleep(0.05)
             time.sleep(1.0)
+            if before_publish is not None:
+                before_publish(n)
             publish(srv, out, n)
 
-    thread = threading.Thread(target=trainer, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    return thread
+
+
+def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
     try:
-        assert proc.wait(300) == 0, (out / "console.out").read_text()[-4000:]
+        assert proc.wait(timeout) == 0, (out / "console.out").read_text()[-4000:]
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no exit after {timeout}s:\n" + (out / "console.out").read_text()[-4000:]) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    log = (out / "console.out").read_text()
+    return (out / "console.out").read_text()
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k):
+    """A stand-in trainer publishes pi_n one second after batch n appears. Batch n never contains a token from a
+    policy older than n-1-k; with k=0 every token comes from exactly pi_{n-1}. 8 steps, so the bound is active on
+    batches k+2..8 (n-1-k > 0), and half the tasks' rewards raise (vf-flaky-env), so batches keep losing rollouts:
+    at k=0 that used to deadlock (a short batch waited for a group only a policy that could not exist allowed)."""
+    srv = tied_server
+    out = srv.root / "runs" / f"async_k{k}"
+    steps = 8
+    proc = start_orchestrator(srv, out, "--max-async-level", str(k), "--max-steps", str(steps), "--env", FLAKY_MIX)
+    stand_in_trainer(srv, out, proc, steps)
+    log = wait_ok(proc, out, 300)
+    active = 0
     for n in range(1, steps + 1):
         batch = read_batch(batch_path(out, n))
-        assert batch.step == n and len(batch.samples) == 8
+        assert batch.step == n and len(batch.samples) >= 8
         oldest = min(v for s in batch.samples for v in s.policy_versions)
         assert oldest >= n - 1 - k, (n, oldest)
+        active += n - 1 - k > 0
         if k == 0:
             assert {tuple(s.policy_versions) for s in batch.samples} == {(n - 1,)}
+    assert active >= 8 - 1 - k - 1  # the bound constrained most batches
     rows = metrics(out)
+    assert sum(m["errors"] for m in rows) > 0  # rollouts were excluded along the way
     assert max(m["async_lag/max"] for m in rows) <= k
     assert "policy step 0 -> " in log  # published weights were picked up
     if k == 0:  # every step after the first hits the barrier: wait for pi_{n-1}, then swap
         assert "batch 2 needs policy step 1" in log and "waiting for" in log
         assert all(m["time/wait_for_weights"] > 0 for m in rows[1:])
+
+
+def test_multi_agent_and_infinite_environments(tied_server):
+    """nim (two seats, self-play; an episode may end before the second seat acts) and an infinite procedural
+    taskset, mixed: batches fill with the acting seats' samples, seats that never acted count in the rewards,
+    per-seat rewards are logged, and the infinite taskset is drawn one task per group."""
+    srv = tied_server
+    out = srv.root / "runs" / "seats"
+    envs = '[{"id": "nim", "ratio": 1, "args": {"max_sticks": 4}}, {"id": "vf-endless-env", "ratio": 1}]'
+    run_orchestrator(srv, out, "--max-steps", "3", "--max-async-level", "8", "--env", envs)
+    rows = metrics(out)
+    assert len(rows) == 3
+    for n in (1, 2, 3):
+        assert len(read_batch(batch_path(out, n)).samples) >= 8
+    nim = [m for m in rows if "rollouts/nim" in m]
+    assert nim and all("reward/nim/first/mean" in m and "reward/nim/second/mean" in m for m in nim)
+    drawn = rows[-1]["buffer/tasks_drawn/vf-endless-env"]
+    assert 0 < drawn <= sum(m["groups_started/server_0"] for m in rows)  # one task per group started, no more
 
 
 def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
@@ -296,28 +337,27 @@ def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
         assert len(read_batch(batch_path(out, n)).samples) == 4
 
 
-def test_server_restart_mid_run(tmp_path_factory):
+def test_server_restart_mid_run(tied_server):
     """Kill the inference server mid-run and start it again on the same port: failed groups are retried once it
     is healthy, it is moved back to the current policy (a restarted server serves base weights), the run ends
     normally, and every batch on disk is complete."""
-    root = tmp_path_factory.mktemp("restart")
-    srv = start_server(root, tied=True)
-    out = root / "runs" / "restart"
+    srv = tied_server
+    out = srv.root / "runs" / "restart"
     publish(srv, out, 1)
+    proc = start_orchestrator(
+        srv, out, "--max-steps", "12", "--max-async-level", "20", "--max-retries", "10", "--batch-size", "16"
+    )
     try:
-        proc = start_orchestrator(
-            srv, out, "--max-steps", "12", "--max-async-level", "20", "--max-retries", "10", "--batch-size", "16"
-        )
         while not batch_path(out, 2).exists():
             assert proc.poll() is None, (out / "console.out").read_text()[-3000:]
             time.sleep(0.1)
         srv.stop()
         time.sleep(2)
-        srv = restart(srv)
-        assert proc.wait(600) == 0, (out / "console.out").read_text()[-4000:]
-    finally:
-        srv.stop()
-    log = (out / "console.out").read_text()
+        srv.restart()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    log = wait_ok(proc, out, 600)
     assert "pausing it until healthy" in log and "back, serving policy step" in log
     rows = metrics(out)
     assert sum(m["retries"] for m in rows) > 0
@@ -328,19 +368,25 @@ def test_server_restart_mid_run(tmp_path_factory):
         assert min(v for s in batch.samples for v in s.policy_versions) >= 1
 
 
-def restart(srv):
-    """The same server command on the same port (the orchestrator knows it by URL)."""
-    from prime_rl.inference.process import InferenceServer
-
-    port = srv.port
-    new = InferenceServer.__new__(InferenceServer)
-    new.__dict__.update(srv.__dict__)
-    cmd = srv.proc.args
-    new.log = srv.output_dir / "server-restarted.out"
-    new.started = time.perf_counter()
-    new.proc = subprocess.Popen(
-        cmd, stdout=open(new.log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy()
-    )
-    assert new.port == port
-    new.wait_healthy()
-    return new
+def test_server_down_during_a_weight_swap(tied_server):
+    """k = 0: after batch 1 the orchestrator waits at the barrier with nothing in flight; the server dies, then
+    pi_1 is published, so the swap hits a dead server. It is taken out of rotation like a server that fails
+    generation, moved to pi_1 once it is back (a restarted server serves base weights), and the run ends normally
+    with batches 2 and 3 from pi_1 and pi_2 only. (A failed swap used to end the run.)"""
+    srv = tied_server
+    out = srv.root / "runs" / "swap_down"
+    proc = start_orchestrator(srv, out, "--max-async-level", "0", "--max-steps", "3")
+    stand_in_trainer(srv, out, proc, 3, before_publish=lambda n: srv.stop() if n == 1 else None)
+    try:
+        deadline = time.monotonic() + 120
+        while "weight swap to policy step 1 failed" not in (out / "console.out").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (out / "console.out").read_text()[-3000:]
+            time.sleep(0.2)
+        srv.restart()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    log = wait_ok(proc, out, 300)
+    assert "back, serving policy step 1" in log
+    for n in (2, 3):
+        assert {tuple(s.policy_versions) for s in read_batch(batch_path(out, n)).samples} == {(n - 1,)}

@@ -65,9 +65,11 @@ def test_rloo_leave_one_out():
     close(rloo_advantages(t(REWARDS)), [[c, -c, -c, c], [2.0, -c, -c, -c]])
 
 
-def test_rloo_group_size_one_raises():
-    with pytest.raises(ValueError, match="at least 2"):
-        rloo_advantages(t([[1.0], [0.0]]))
+def test_rloo_group_of_one_gets_zero_advantage():
+    # No other rollout to build a leave-one-out baseline from: no learning signal, like a constant group
+    # (a group that lost all but one rollout to errors must not end the run).
+    assert rloo_advantages(t([[1.0], [0.0]])).tolist() == [[0.0], [0.0]]
+    assert grpo_advantages(t([[1.0]])).tolist() == [[0.0]]
 
 
 def test_opo_length_weighted_baseline():

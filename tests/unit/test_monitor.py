@@ -137,14 +137,14 @@ def test_orchestrator_log_extras(tmp_path):
 
     groups = []
     for g in range(4):
-        group = Group(id=g, env="reverse-text", task_idx=g, start_version=0, url="u")
+        group = Group(id=g, env="reverse-text", task_idx=g, task={}, start_version=0, url="u")
         for i in range(4):
             n = 3 + i
             sample = SampleTokens(list(range(n)), [False] + [True] * (n - 1), [0.0] * n, [0] * n)
             group.rollouts.append(RolloutResult(reward=i / 3, samples=[sample], prompt=f"p{g}", completion=f"c{i}"))
         groups.append(group)
     config = OrchestratorConfig()
-    advantages = [a for g in groups for a in group_samples(g, config)[1].tolist()]
+    advantages = [a for g in groups for a in group_samples(g, config)[1]]
     monitor = Monitor(tmp_path, "orchestrator")
     dists = log_extras(10, groups, advantages, monitor, LogExtrasConfig())
     (table,) = read_lines(tmp_path / "tables.jsonl")

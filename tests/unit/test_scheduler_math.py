@@ -1,7 +1,7 @@
 """The off-policy bound's arithmetic (DESIGN section 2)."""
 
 from prime_rl.orchestrator.samples import SampleTokens
-from prime_rl.orchestrator.scheduler import Group, min_policy_for, target_batch
+from prime_rl.orchestrator.scheduler import Group, min_policy_for, seat_rewards, target_batch, trained_rollouts
 from prime_rl.orchestrator.worker import RolloutResult
 
 
@@ -12,9 +12,29 @@ def test_min_policy_for_batch():
     assert [min_policy_for(n, 2) for n in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]
 
 
-def test_target_batch_counts_groups_towards_the_batch_being_filled_first():
-    # 4 groups per batch; filling batch 5: groups 0-3 are for batch 5, 4-7 for batch 6, ...
-    assert [target_batch(5, c, 4) for c in (0, 3, 4, 7, 8)] == [5, 5, 6, 6, 7]
+def test_target_batch_counts_rollouts_towards_the_batch_being_filled_first():
+    # batch_size 16 (4 groups of 4); filling batch 5: rollouts 0-15 are for batch 5, 16-31 for batch 6, ...
+    assert [target_batch(5, c, 16) for c in (0, 12, 15, 16, 31, 32)] == [5, 5, 5, 6, 6, 7]
+
+
+def test_a_batch_short_of_rollouts_can_always_start_its_next_group():
+    """The k = 0 deadlock: batch 8 of 2 groups x 4 rollouts, one rollout excluded. Nothing in flight, 7 finished
+    rollouts. Counted in groups (the old rule) the next group was for batch n + 1, whose policy pi_n cannot exist
+    before batch n is written; counted in rollouts it is for batch n."""
+    finished = [
+        Group(0, "e", 0, {}, 0, "u", rollouts=[rollout(0)] * 4),
+        Group(1, "e", 1, {}, 0, "u", rollouts=[rollout(0)] * 3),
+    ]
+    assert trained_rollouts(finished) == 7
+    assert target_batch(3, trained_rollouts(finished), 8) == 3
+    assert target_batch(3, len(finished) * 4, 8) == 4  # what counting groups assumed: the batch looked full
+
+
+def test_seats_without_tokens_count_for_rewards_not_for_the_batch():
+    acted, idle = rollout(0, 0), RolloutResult(reward=1.0, samples=[], seat="second")
+    group = Group(0, "nim", 0, {}, 0, "u", rollouts=[acted, idle])
+    assert trained_rollouts([group]) == 1
+    assert seat_rewards(group.rollouts) == {"agent": [0.0], "second": [1.0]}
 
 
 def rollout(*versions):
@@ -23,7 +43,7 @@ def rollout(*versions):
 
 
 def test_group_version_is_the_oldest_reported_token_version():
-    group = Group(id=0, env="e", task_idx=0, start_version=3, url="u")
+    group = Group(id=0, env="e", task_idx=0, task={}, start_version=3, url="u")
     assert group.version == 3 and group.newest_version == 3  # nothing reported: the start version
     group.rollouts = [rollout(-1, 4, 4), rollout(-1, 4, 5)]
     assert group.version == 4 and group.newest_version == 5

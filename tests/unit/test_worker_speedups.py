@@ -79,3 +79,11 @@ def test_cached_default_factory_check_gives_pydantics_answers():
     assert getattr(patched, "_prime_rl", False)
     assert [patched(f) for f in factories] == expected
     assert [patched(f) for f in factories] == expected  # from the cache
+
+
+def test_a_pydantic_without_the_private_helper_runs_without_the_cache(monkeypatch, caplog):
+    """The speed-up patches a private pydantic function; a pydantic that renamed it must not break the workers."""
+    monkeypatch.delattr(_fields, "takes_validated_data_argument")
+    cache_default_factory_signatures()  # no AttributeError
+    assert not hasattr(_fields, "takes_validated_data_argument")
+    assert "run without its cache" in caplog.text

@@ -56,7 +56,22 @@ def pass_ks(n: int) -> list[int]:
 
 
 def summarize(records: list[dict], rollouts_per_example: int, pass_threshold: float) -> dict:
-    """Summary of one policy on one environment, from its `results.jsonl` records alone."""
+    """Summary of one policy on one environment, from its `results.jsonl` records alone; an environment with
+    several seats (multi-agent) also gets one summary per seat under `seats`, each seat's pass@k over its own
+    rollouts of each example."""
+    seats = sorted({r.get("seat", "agent") for r in records})
+    summary = summarize_seat(records, rollouts_per_example, pass_threshold)
+    if len(seats) > 1:
+        summary["seats"] = {
+            seat: summarize_seat(
+                [r for r in records if r.get("seat", "agent") == seat], rollouts_per_example, pass_threshold
+            )
+            for seat in seats
+        }
+    return summary
+
+
+def summarize_seat(records: list[dict], rollouts_per_example: int, pass_threshold: float) -> dict:
     ok = [r for r in records if r["error"] is None]
     rewards = [r["reward"] for r in ok]
     summary: dict = {
@@ -67,9 +82,9 @@ def summarize(records: list[dict], rollouts_per_example: int, pass_threshold: fl
     }
     n = rollouts_per_example
     if n > 1:
-        by_example: dict[int, list[float]] = {}
+        by_example: dict[tuple, list[float]] = {}
         for r in ok:
-            by_example.setdefault(r["example_id"], []).append(r["reward"])
+            by_example.setdefault((r["example_id"], r.get("seat", "agent")), []).append(r["reward"])
         complete = [v for v in by_example.values() if len(v) == n]
         for k in pass_ks(n):
             values = [pass_at_k(n, sum(x >= pass_threshold for x in v), k) for v in complete]
@@ -155,6 +170,8 @@ def rollout_record(label: str, job: Job, index: int, result: RolloutResult) -> d
         "env": job.env,
         "example_id": job.example_id,
         "rollout": index,
+        "episode": result.episode,
+        "seat": result.seat,
         "prompt": result.prompt,
         "completion": result.completion,
         "reward": result.reward,
@@ -187,19 +204,24 @@ def format_table(summary: dict) -> str:
 
 
 def reward_lines(summary: dict) -> list[str]:
-    """`<env> reward: base 0.052, sft 0.412, rl 0.655` per environment."""
+    """`<env> reward: base 0.052, sft 0.412, rl 0.655` per environment, and `<env>/<seat> reward: ...` per seat of
+    a multi-agent environment (in self-play the seats' mean is fixed by the game; each seat's is not)."""
     lines = []
     for env in summary["envs"]:
-        parts = []
-        for policy in summary["policies"]:
-            mean = policy["envs"][env]["reward_mean"]
-            parts.append(f"{policy['label']} {'n/a' if mean is None else f'{mean:.3f}'}")
-        lines.append(f"{env} reward: {', '.join(parts)}")
+        seats = sorted({seat for p in summary["policies"] for seat in p["envs"][env].get("seats", {})})
+        for name, seat in [(env, None)] + [(f"{env}/{seat}", seat) for seat in seats]:
+            parts = []
+            for policy in summary["policies"]:
+                s = policy["envs"][env] if seat is None else policy["envs"][env].get("seats", {}).get(seat, {})
+                mean = s.get("reward_mean")
+                parts.append(f"{policy['label']} {'n/a' if mean is None else f'{mean:.3f}'}")
+            lines.append(f"{name} reward: {', '.join(parts)}")
     return lines
 
 
 def plot_rewards(summary: dict, path: Path) -> Path | None:
-    """Reward vs policy (step), one line per environment."""
+    """Mean reward per policy and environment: a line over training steps when every policy is a `step_N`
+    (a series), grouped bars otherwise (named policies such as base, sft, rl are categories, not a series)."""
     try:
         import matplotlib
 
@@ -209,12 +231,20 @@ def plot_rewards(summary: dict, path: Path) -> Path | None:
         logger.warning("matplotlib is not installed: no reward plot")
         return None
     labels = [p["label"] for p in summary["policies"]]
+    envs = list(summary["envs"])
+    steps = step_axis(labels)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for env in summary["envs"]:
+    for i, env in enumerate(envs):
         means = [p["envs"][env]["reward_mean"] for p in summary["policies"]]
-        ax.plot(range(len(labels)), [m if m is not None else float("nan") for m in means], marker="o", label=env)
-    ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 6 else 0)
-    ax.set_xlabel("policy")
+        means = [m if m is not None else float("nan") for m in means]
+        if steps is not None:
+            ax.plot(steps, means, marker="o", label=env)
+        else:
+            width = 0.8 / len(envs)
+            ax.bar([x + (i - (len(envs) - 1) / 2) * width for x in range(len(labels))], means, width, label=env)
+    if steps is None:
+        ax.set_xticks(range(len(labels)), labels, rotation=45 if len(labels) > 6 else 0)
+    ax.set_xlabel("training step" if steps is not None else "policy")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -224,11 +254,23 @@ def plot_rewards(summary: dict, path: Path) -> Path | None:
     return path
 
 
+def step_axis(labels: list[str]) -> list[int] | None:
+    """The training steps of a series of policies (`base` is step 0, `step_N` is N), or None if any label is a
+    name that is not a step."""
+    steps = []
+    for label in labels:
+        match = STEP_DIR.match(label)
+        if label != "base" and match is None:
+            return None
+        steps.append(0 if match is None else int(match.group(1)))
+    return steps
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The run.
 
 
-async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]]) -> dict:
+async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]], planned: list[Job]) -> dict:
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"model": config.model.name, "envs": {e.display_name: e.model_dump() for e in config.env}}
@@ -236,7 +278,6 @@ async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]]) -> d
     results_tmp = out / "results.jsonl.tmp"
     async with rollout_worker(config) as worker:
         with open(results_tmp, "w") as results:
-            planned = plan_jobs(config)
             try:
                 await run_policies(config, plan, planned, worker, results, summary)
             finally:
@@ -280,10 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     write_resolved_config(config, "eval")
     try:
         plan = policies(config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        jobs = plan_jobs(config)  # before any server starts: a bad environment config fails in seconds
+    except (ValueError, RuntimeError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)
-    summary = serve_and_run("eval", config, [p for _, p in plan if p is not None], lambda: evaluate(config, plan))
+    weights = [p for _, p in plan if p is not None]
+    summary = serve_and_run("eval", config, weights, lambda: evaluate(config, plan, jobs))
     print(format_table(summary))
     if len(summary["policies"]) > 1 and (plot := plot_rewards(summary, config.output_dir / "reward_vs_step.png")):
         logger.info(f"plot: {plot}")

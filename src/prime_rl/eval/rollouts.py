@@ -25,10 +25,11 @@ from tqdm import tqdm
 
 from prime_rl.config.loader import to_toml
 from prime_rl.eval.config import RolloutsConfig
-from prime_rl.orchestrator.orchestrator import load_tasks
+from prime_rl.orchestrator.envs import check_prompts_fit, load_tasks
 from prime_rl.orchestrator.worker import RolloutResult, RunGroup, Worker, cache_default_factory_signatures
 from prime_rl.utils.fs import write_atomic
-from prime_rl.utils.processes import Process, stop_all, wait_healthy
+from prime_rl.utils.health import wait_healthy
+from prime_rl.utils.processes import Process, stop_all
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -47,11 +48,18 @@ class Job:
 
 
 def plan_jobs(config: RolloutsConfig) -> list[Job]:
-    """The first `num_examples` tasks of every environment, `rollouts_per_example` rollouts each."""
-    tasks = load_tasks(config)
+    """The first `num_examples` tasks of every environment (read lazily: a procedural taskset generates only those),
+    `rollouts_per_example` episodes each. Loading the environments here, before any server starts, reports a bad
+    environment config at once."""
+    limits = {env.display_name: env.num_examples for env in config.env}
+    tasks = load_tasks(config.env, config.seq_len, limits)
+    for name, env_tasks in tasks.items():
+        if env_tasks.size is None:
+            raise ValueError(f"environment {name!r} has an infinite taskset: set num_examples")
+    check_prompts_fit(tasks, config.model.tokenizer or config.model.name, config.seq_len, config.sampling.max_tokens)
     jobs = []
     for env in config.env:
-        selected = tasks[env.display_name][: env.num_examples]
+        selected = tasks[env.display_name].items
         jobs += [Job(env.display_name, i, task, env.rollouts_per_example) for i, task in enumerate(selected)]
     return jobs
 
@@ -81,33 +89,39 @@ async def run_jobs(
 ) -> float:
     """Run every job to completion (results land in `job.results`); returns the wall time in seconds.
 
-    A progress bar on stderr counts finished rollouts and shows the running mean reward."""
+    A progress bar on stderr counts finished episodes (an episode of a multi-agent env yields a rollout per seat)
+    and shows the running mean reward of the rollouts."""
     urls = itertools.cycle(config.client.base_url)
     ids = itertools.count()
     limit = asyncio.Semaphore(config.max_concurrent)
     total = sum(job.n for job in jobs)
     done_rewards: list[float] = []
-    bar = tqdm(total=total, desc=description, unit="rollout", dynamic_ncols=True, leave=True)
+    bar = tqdm(total=total, desc=description, unit="episode", dynamic_ncols=True, leave=True)
 
     async def run(job: Job) -> None:
         pending = job.n
         while pending:
             async with limit:
                 reply = await worker.run_group(RunGroup(next(ids), job.env, job.task, pending, next(urls)))
-            retry = [r for r in reply.rollouts if r.error and r.retryable]
-            final = [r for r in reply.rollouts if not (r.error and r.retryable)]
+            episodes: dict[int, list[RolloutResult]] = {}
+            for result in reply.rollouts:
+                episodes.setdefault(result.episode, []).append(result)
+            # A retry reruns whole episodes: the seats of an episode are judged together.
+            retry = [e for e in episodes.values() if any(r.error and r.retryable for r in e)]
+            final = [e for e in episodes.values() if not any(r.error and r.retryable for r in e)]
             if retry and job.attempts < config.max_retries:
                 delay = config.retry_backoff * 2**job.attempts
                 job.attempts += 1
+                error = next(r.error for e in retry for r in e if r.error)
                 logger.info(
-                    f"{job.env} example {job.example_id}: {len(retry)} rollout(s) failed ({retry[0].error}); "
+                    f"{job.env} example {job.example_id}: {len(retry)} episode(s) failed on the server ({error}); "
                     f"retry {job.attempts}/{config.max_retries} in {delay:.0f}s"
                 )
                 await asyncio.sleep(delay)
             else:
                 final += retry
                 retry = []
-            for result in final:
+            for result in (r for e in final for r in e):
                 job.results.append(result)
                 if result.error is None:
                     done_rewards.append(result.reward)
@@ -150,7 +164,11 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     server.start()
     url = config.client.base_url[0].removesuffix("/v1")
     logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
-    wait_healthy(server, url, config.inference_timeout)
+    try:
+        asyncio.run(wait_healthy([url], config.inference_timeout, process=server))
+    except BaseException:
+        stop_all([server], grace=15.0)
+        raise
     return server
 
 

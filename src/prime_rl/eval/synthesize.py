@@ -46,7 +46,7 @@ def keep(result: RolloutResult, min_reward: float | None) -> str | None:
     return None
 
 
-async def synthesize(config: SynthesizeConfig) -> dict:
+async def synthesize(config: SynthesizeConfig, jobs: list[Job]) -> dict:
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     target, tmp = out / "data.jsonl", out / "data.jsonl.tmp"
@@ -65,7 +65,7 @@ async def synthesize(config: SynthesizeConfig) -> dict:
             f.write(json.dumps(sft_row(job, result)) + "\n")
 
         async with rollout_worker(config, keep_messages=True) as worker:
-            seconds = await run_jobs(worker, plan_jobs(config), config, "synthesize", on_rollout)
+            seconds = await run_jobs(worker, jobs, config, "synthesize", on_rollout)
     tmp.replace(target)
     summary = {**counts, "kept_reward_mean": statistics.fmean(kept_rewards) if kept_rewards else None}
     summary["seconds"] = round(seconds, 3)
@@ -77,7 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SynthesizeConfig, "synthesize", argv)
     setup_logging("synthesize", config.log.level, config.output_dir / "logs")
     write_resolved_config(config, "synthesize")
-    summary = serve_and_run("synthesize", config, [], lambda: synthesize(config))
+    try:
+        jobs = plan_jobs(config)  # before any server starts: a bad environment config fails in seconds
+    except (ValueError, RuntimeError) as e:
+        print(f"synthesize: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    summary = serve_and_run("synthesize", config, [], lambda: synthesize(config, jobs))
     mean = summary["kept_reward_mean"]
     logger.info(
         f"kept {summary['kept']} of {summary['rollouts']} rollouts (errors {summary['error']}, below min_reward "

@@ -1,72 +1,68 @@
-"""Start a real `inference` server as a child process and wait for it (tests, benchmarks, launchers)."""
+"""Start a real `inference` server as a child process and wait for it (tests, benchmarks)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
+from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.net import free_port
+from prime_rl.utils.processes import Process, stop_all
 
 INFERENCE = str(Path(sys.executable).parent / "inference")
 
 
-class InferenceServer:
-    """`inference` in its own process group, so stopping it also stops vLLM's engine processes."""
+class InferenceServer(Process):
+    """`inference` on `model_dir`, on a free port (or `port`), logging to `{output_dir}/server.out`."""
 
-    def __init__(self, model_dir: Path, output_dir: Path, extra: list[str] = (), api_key: str | None = None):
-        self.port = free_port()
+    def __init__(
+        self,
+        model_dir: Path,
+        output_dir: Path,
+        extra: list[str] = (),
+        api_key: str | None = None,
+        port: int | None = None,
+        log_name: str = "server.out",
+    ):
+        self.model_dir, self.extra, self.api_key = Path(model_dir), list(extra), api_key
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        self.output_dir = output_dir
-        self.log = output_dir / "server.out"
+        self.output_dir = Path(output_dir)
         cmd = [INFERENCE, "--model.name", str(model_dir), "--output-dir", str(output_dir)]
-        cmd += ["--server.port", str(self.port), *extra]
+        cmd += ["--server.port", str(self.port), *self.extra]
         if api_key:
             cmd += ["--server.api-key", api_key]
-        output_dir.mkdir(parents=True, exist_ok=True)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__("inference", cmd, os.environ.copy(), self.output_dir / log_name)
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy()
-        )
+        self.start()
         self.startup_seconds: float | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.output
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_healthy(self, timeout: float = 400) -> None:
-        deadline = time.perf_counter() + timeout
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"inference exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.startup_seconds = time.perf_counter() - self.started
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"inference not healthy after {timeout}s:\n{self.tail()}")
+        try:
+            asyncio.run(wait_healthy([self.url], timeout, process=self))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - self.started
 
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+    def restart(self, timeout: float = 400) -> None:
+        """Start the same server (model, flags, port) again after `stop()`, in place, and wait until it is healthy:
+        clients that know it by URL see a server that restarted (on its base weights)."""
+        self.started = time.perf_counter()
+        self.start()
+        self.wait_healthy(timeout)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:  # engine processes left behind by an abrupt exit
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def stop(self, grace: float = 30.0) -> None:
+        stop_all([self], grace)

@@ -56,11 +56,12 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
 
     The baseline of each sample excludes the sample itself, so it is independent of that sample's
     action and the gradient estimate is unbiased (the group mean is biased by a factor (G-1)/G).
+    A group of one has no other sample to compare with: advantage 0, no signal (as for a constant group).
     """
     rewards = _as_rewards(rewards)
     group_size = rewards.shape[1]
     if group_size < 2:
-        raise ValueError(f"rloo needs at least 2 rollouts per group for a leave-one-out baseline, got {group_size}")
+        return torch.zeros_like(rewards)
     advantages = (group_size / (group_size - 1)) * (rewards - rewards.mean(dim=1, keepdim=True))
     return _zero_constant_groups(advantages, rewards)
 

@@ -9,6 +9,9 @@ The orchestrator owns the task objects; the buffer only deals in `(env_name, tas
 
 Sampling is O(number of envs) per call whatever the number of tasks: each env keeps its active tasks in
 a list plus a position map, so a task is retired in O(1) by swapping it with the last one and popping.
+
+An environment of size None is an infinite (procedural) taskset: every draw is a new task (index 0, 1, 2, ...
+in generation order), never retired; mixed with other environments it needs a `ratio`.
 """
 
 import math
@@ -70,20 +73,27 @@ class Buffer:
     is picked in proportion to its number of active tasks, i.e. uniformly over all active tasks.
     """
 
-    def __init__(self, config: BufferConfig, env_sizes: dict[str, int], env_ratios: dict[str, float] | None = None):
+    def __init__(
+        self, config: BufferConfig, env_sizes: dict[str, int | None], env_ratios: dict[str, float] | None = None
+    ):
         if not env_sizes:
             raise ValueError("the buffer needs at least one environment")
         for env, size in env_sizes.items():
-            if size < 1:
+            if size is not None and size < 1:
                 raise ValueError(f"environment {env!r} has {size} tasks; every environment needs at least one")
+        infinite = [env for env, size in env_sizes.items() if size is None]
+        if infinite and len(env_sizes) > 1 and env_ratios is None:
+            raise ValueError(f"environments {infinite} have infinite tasksets: set a `ratio` on every environment")
         self.config = config
         self.env_sizes = dict(env_sizes)
         self._envs = list(env_sizes)
         self._ratios = _normalised_ratios(env_ratios, self._envs) if env_ratios is not None else None
         self._rng = random.Random(config.seed)
         # Per env: active task indices (any order) and each task's position in it (-1 once retired).
-        self._active = {env: list(range(size)) for env, size in env_sizes.items()}
-        self._position = {env: list(range(size)) for env, size in env_sizes.items()}
+        self._active = {env: list(range(size or 0)) for env, size in env_sizes.items()}
+        self._position = {env: list(range(size or 0)) for env, size in env_sizes.items()}
+        # Per infinite env: tasks drawn so far (the next draw is task number `drawn`).
+        self._drawn = dict.fromkeys(infinite, 0)
         # Per env, in retirement order.
         self._easy: dict[str, list[int]] = {env: [] for env in self._envs}
         self._hard: dict[str, list[int]] = {env: [] for env in self._envs}
@@ -95,7 +105,7 @@ class Buffer:
         replacement across calls)."""
         total = 0.0
         for i, env in enumerate(self._envs):
-            if self._active[env]:
+            if self._has_tasks(env):
                 total += self._env_weight(i, env)
         if total <= 0.0:
             raise RuntimeError(
@@ -106,13 +116,16 @@ class Buffer:
         target = self._rng.random() * total
         chosen = None
         for i, env in enumerate(self._envs):
-            if not self._active[env]:
+            if not self._has_tasks(env):
                 continue
             chosen = env  # The last eligible env also absorbs float rounding at the top of the range.
             target -= self._env_weight(i, env)
             if target < 0.0:
                 break
         assert chosen is not None
+        if chosen in self._drawn:
+            self._drawn[chosen] += 1
+            return chosen, self._drawn[chosen] - 1
         active = self._active[chosen]
         return chosen, active[self._rng.randrange(len(active))]
 
@@ -134,7 +147,7 @@ class Buffer:
         elif status == "filtered_hard":
             self._counters["filtered/hard"] += 1
 
-        if self._position[env][task_idx] >= 0:
+        if env not in self._drawn and self._position[env][task_idx] >= 0:
             mean = sum(rewards) / len(rewards)
             easy, hard = self.config.easy_threshold, self.config.hard_threshold
             if easy is not None and mean >= easy:
@@ -154,7 +167,10 @@ class Buffer:
         out["pool/easy"] = float(sum(len(e) for e in self._easy.values()))
         out["pool/hard"] = float(sum(len(h) for h in self._hard.values()))
         for env in self._envs:
-            out[f"pool/active/{env}"] = float(len(self._active[env]))
+            if env in self._drawn:
+                out[f"tasks_drawn/{env}"] = float(self._drawn[env])
+            else:
+                out[f"pool/active/{env}"] = float(len(self._active[env]))
         return out
 
     def reset_step_metrics(self) -> None:
@@ -175,6 +191,7 @@ class Buffer:
                     "active": list(self._active[env]),
                     "easy": list(self._easy[env]),
                     "hard": list(self._hard[env]),
+                    **({"drawn": self._drawn[env]} if env in self._drawn else {}),
                 }
                 for env in self._envs
             },
@@ -196,6 +213,9 @@ class Buffer:
             size = self.env_sizes[env]
             if env_state["size"] != size:
                 raise ValueError(f"environment {env!r} has {size} tasks, the state was saved with {env_state['size']}")
+            if size is None:
+                self._drawn[env] = int(env_state["drawn"])
+                continue
             active, easy, hard = list(env_state["active"]), list(env_state["easy"]), list(env_state["hard"])
             if sorted(active + easy + hard) != list(range(size)):
                 raise ValueError(f"state of environment {env!r} does not split tasks 0..{size - 1} into pools")
@@ -208,14 +228,24 @@ class Buffer:
         self._rng.setstate((version, tuple(internal), gauss_next))
         self._counters = {name: int(state["counters"][name]) for name in _COUNTERS}
 
+    def drawn(self, env: str) -> int:
+        """Tasks drawn so far from an infinite environment (where a resumed run continues its stream)."""
+        return self._drawn[env]
+
+    def _has_tasks(self, env: str) -> bool:
+        return env in self._drawn or bool(self._active[env])
+
     def _env_weight(self, i: int, env: str) -> float:
-        return self._ratios[i] if self._ratios is not None else float(len(self._active[env]))
+        if self._ratios is not None:
+            return self._ratios[i]
+        return 1.0 if env in self._drawn else float(len(self._active[env]))
 
     def _check_task(self, env: str, task_idx: int) -> None:
         if env not in self.env_sizes:
             raise ValueError(f"unknown environment {env!r}; known: {self._envs}")
-        if not 0 <= task_idx < self.env_sizes[env]:
-            raise ValueError(f"task index {task_idx} out of range for {env!r} ({self.env_sizes[env]} tasks)")
+        limit = self._drawn[env] if env in self._drawn else self.env_sizes[env]
+        if not 0 <= task_idx < limit:
+            raise ValueError(f"task index {task_idx} out of range for {env!r} ({limit} tasks)")
 
     def _retire(self, env: str, task_idx: int) -> None:
         """O(1) removal from the active list: move the last task into the freed slot."""

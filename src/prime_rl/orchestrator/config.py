@@ -82,7 +82,12 @@ class EnvSpec(BaseConfig):
     """Taskset config values (the taskset's `TasksetConfig` fields), e.g. `{num_tasks = 1000}`."""
 
     harness: str | None = None
-    """verifiers harness id; None: the taskset's own harness if it exports one, else the in-process `prime-chat`."""
+    """verifiers harness id for every seat that does not pin its own; None: the taskset's own harness if it exports
+    one, else the in-process `prime-chat`."""
+
+    env_args: dict[str, Any] = {}
+    """Options of the environment itself (its `EnvConfig` fields, as verifiers' `--env.<key>` sets them), e.g.
+    `{id = "user-sim"}` to pair an env with the taskset, or a seat's settings `{second = {max_turns = 4}}`."""
 
     name: str | None = None
     """Name in metrics and logs (default: `id`); must be unique across environments."""
@@ -105,7 +110,7 @@ class SamplingConfig(BaseConfig):
     """Max tokens per model turn (None: the rest of the context)."""
 
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; keep 1.0 for unbiased policy gradients."""
+    """Nucleus sampling (`eval`/`synthesize`); training needs 1.0, the distribution the trainer scores."""
 
     seed: int | None = None
     """Sampling seed sent with each request (None: random)."""
@@ -162,7 +167,8 @@ class OrchestratorConfig(EntrypointConfig):
     """Samples and distributions logged every `interval` steps."""
 
     batch_size: int = Field(64, ge=1)
-    """Rollouts (samples) per step; a multiple of `rollouts_per_example`."""
+    """Rollouts trained on per step (traces with sampled tokens; a multi-agent episode has one per acting seat);
+    a multiple of `rollouts_per_example`."""
 
     rollouts_per_example: int = Field(8, ge=1)
     """Rollouts per task: a group, the unit advantages are computed over."""
@@ -191,6 +197,10 @@ class OrchestratorConfig(EntrypointConfig):
     weights_poll_interval: float = Field(0.5, gt=0)
     """Seconds between looks for newly published trainer weights."""
 
+    stall_timeout: float = Field(1800.0, gt=0)
+    """Seconds without progress (an accepted group, or weights the next batch needs) before the run fails, naming
+    what it waited for."""
+
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":
         if self.batch_size % self.rollouts_per_example:
@@ -207,6 +217,14 @@ class OrchestratorConfig(EntrypointConfig):
             raise ValueError("env ratio: set it on every environment or on none")
         if self.advantage.estimator == "rloo" and self.rollouts_per_example < 2:
             raise ValueError("advantage.estimator rloo needs rollouts_per_example >= 2")
+        # The trainer scores every sampled token with the full softmax at the sampling temperature.
+        if self.sampling.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 for training: greedy tokens have no usable logprobs")
+        if self.sampling.top_p < 1:
+            raise ValueError(
+                f"sampling.top_p = {self.sampling.top_p}: training samples from the full distribution (top_p = 1); "
+                "the trainer's logprobs would not match a truncated one"
+            )
         return self
 
     @property

@@ -9,7 +9,6 @@ group -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
 """
 
 import asyncio
-import itertools
 import statistics
 import sys
 import time
@@ -23,39 +22,47 @@ from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import compute_advantages
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
-from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats
+from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
+from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
-from prime_rl.orchestrator.worker import RolloutWorkers, load_env
+from prime_rl.orchestrator.worker import RolloutWorkers
+from prime_rl.utils.locks import OutputDirLock
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.loop_lag import LoopLagMonitor
 from prime_rl.utils.monitor import Monitor
-
-MAX_TASKS = 1_000_000
-"""Tasks taken from an infinite (procedural) taskset."""
 
 SAMPLE_ROWS = 8
 """Rollouts in the samples table of the log extras."""
 
 
-def load_tasks(config: OrchestratorConfig) -> dict[str, list[dict]]:
-    """Every environment's tasks as JSON task data (the workers rebuild tasks from it)."""
-    tasks = {}
-    for env_config in config.env:
-        env = load_env(env_config, config.seq_len)
-        data = [t.data.model_dump(mode="json") for t in itertools.islice(env.taskset, MAX_TASKS)]
-        if not data:
-            raise RuntimeError(f"environment {env_config.display_name!r} has no tasks")
-        tasks[env_config.display_name] = data
-        logger.info(f"environment {env_config.display_name}: {len(data)} tasks")
+def load_environments(config: OrchestratorConfig) -> dict[str, EnvTasks]:
+    """Every environment and its tasks, checked against `seq_len`: a failure here names the environment and the
+    cause before any server or worker is touched (`rl` runs this too, before it starts anything)."""
+    tasks = load_tasks(config.env, config.seq_len)
+    tokenizer = config.model.tokenizer or config.model.name
+    check_prompts_fit(tasks, tokenizer, config.seq_len, config.sampling.max_tokens)
     return tasks
 
 
-def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[TrainingSample], torch.Tensor]:
-    """A group's training samples with its advantages (one scalar per rollout on every token)."""
-    rewards = torch.tensor([[r.reward for r in group.rollouts]], dtype=torch.float64)
-    lengths = torch.tensor([[max(1, sum(sum(s.loss_mask) for s in r.samples)) for r in group.rollouts]])
-    advantages = compute_advantages(rewards, lengths, config.advantage)[0]
+def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[TrainingSample], list[float], int]:
+    """A group's training samples, the advantage of each of its rollouts (one scalar per rollout, on every token of
+    its samples), and how many seats had a single rollout (advantage 0: no other rollout to compare with).
+
+    Advantages are computed per seat (see `seat_rewards`); rollouts without sampled tokens (a seat that never had
+    to act) take part in their seat's baseline but yield no sample."""
+    advantages = [0.0] * len(group.rollouts)
+    singletons = 0
+    for seat in seat_rewards(group.rollouts):
+        members = [i for i, r in enumerate(group.rollouts) if r.seat == seat]
+        rewards = torch.tensor([[group.rollouts[i].reward for i in members]], dtype=torch.float64)
+        lengths = torch.tensor([[max(1, sum(sum(s.loss_mask) for s in group.rollouts[i].samples)) for i in members]])
+        for i, advantage in zip(
+            members, compute_advantages(rewards, lengths, config.advantage)[0].tolist(), strict=True
+        ):
+            advantages[i] = advantage
+        singletons += len(members) == 1
     samples = []
-    for rollout, advantage in zip(group.rollouts, advantages.tolist(), strict=True):
+    for rollout, advantage in zip(group.rollouts, advantages, strict=True):
         for s in rollout.samples:
             versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
             samples.append(
@@ -64,20 +71,21 @@ def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[Traini
                     loss_mask=s.loss_mask,
                     inference_logprobs=s.logprobs,
                     advantages=[advantage] * len(s.token_ids),
-                    temperature=config.sampling.temperature,
+                    temperature=rollout.temperature or config.sampling.temperature,
                     policy_versions=versions,
                 )
             )
-    return samples, advantages
+    return samples, advantages, singletons
 
 
 def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: float, urls: list[str]) -> dict:
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     rewards = [r.reward for _, r in rollouts]
     lengths = [len(s.token_ids) for _, r in rollouts for s in r.samples]
-    sampled = [sum(sum(s.loss_mask) for s in r.samples) for _, r in rollouts]
+    sampled = [sum(sum(s.loss_mask) for s in r.samples) for _, r in rollouts if r.samples]
     lags = [max(0, step - 1 - g.version) for g, _ in rollouts]  # 0 = on-policy (or fresher than required)
     metrics = {
+        "rollouts/untrained": sum(1 for _, r in rollouts if not r.samples),
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         "seq_len/mean": statistics.fmean(lengths),
@@ -97,6 +105,7 @@ def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: flo
         "retries": stats.retries,
         "dropped/stale": stats.dropped_stale,
         "dropped/too_long": stats.dropped_too_long,
+        "dropped/failed": stats.dropped_failed,
         "filtered": stats.filtered,
         "worker_loop_lag/max": stats.worker_loop_lag,
     }
@@ -107,27 +116,15 @@ def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: flo
         metrics[f"reward/{env}/mean"] = statistics.fmean(env_rewards)
         metrics[f"reward/{env}/std"] = statistics.pstdev(env_rewards)
         metrics[f"rollouts/{env}"] = len(env_rewards)
+        seats = sorted({r.seat for g, r in rollouts if g.env == env})
+        for seat in seats if len(seats) > 1 else []:
+            metrics[f"reward/{env}/{seat}/mean"] = statistics.fmean(
+                r.reward for g, r in rollouts if g.env == env and r.seat == seat
+            )
     for name in sorted({k for _, r in rollouts for k in r.metrics}):
         values = [r.metrics[name] for _, r in rollouts if name in r.metrics]
         metrics[f"metrics/{name}"] = statistics.fmean(values)
     return metrics
-
-
-class LoopLagMonitor:
-    """How late `asyncio.sleep` wakes up: the time the event loop was busy with something else."""
-
-    def __init__(self, interval: float = 0.1):
-        self.interval, self.samples = interval, []
-
-    async def run(self) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(self.interval)
-            self.samples.append(time.perf_counter() - start - self.interval)
-
-    def pop_metrics(self) -> dict:
-        samples, self.samples = self.samples or [0.0], []
-        return {"event_loop_lag/max": max(samples), "event_loop_lag/mean": statistics.fmean(samples)}
 
 
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
@@ -136,7 +133,8 @@ def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
         f"{metrics['tokens_per_s']:.0f} tok/s {metrics['rollouts_per_s']:.1f} rollouts/s | "
         f"lag max {metrics['async_lag/max']} mean {metrics['async_lag/mean']:.2f} | "
         f"wait {metrics['time/wait_for_weights']:.2f}s swap {metrics['time/update_weights']:.2f}s | "
-        f"errors {metrics['errors']} dropped {metrics['dropped/stale'] + metrics['dropped/too_long']} "
+        f"errors {metrics['errors']} "
+        f"dropped {metrics['dropped/stale'] + metrics['dropped/too_long'] + metrics['dropped/failed']} "
         f"filtered {metrics['filtered']}"
     )
     monitor.log(step, metrics)
@@ -167,16 +165,20 @@ def log_extras(
 
 async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
+    lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
     config.model.renderer_config()  # a bad renderer fails here, before any server or worker is touched
-    tasks = load_tasks(config)
+    tasks = load_environments(config)
     ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
-    buffer = Buffer(config.buffer, {name: len(t) for name, t in tasks.items()}, ratios)
+    buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
     progress = ckpt.Progress()
     resuming = config.ckpt is not None and config.ckpt.resume_step is not None
     if resuming:
         step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
         progress, buffer_state = ckpt.load(output_dir, step)
         buffer.load_state_dict(buffer_state)
+        for name, env_tasks in tasks.items():
+            if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
+                env_tasks.skip(buffer.drawn(name))
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
 
     monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)
@@ -197,11 +199,12 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             step = progress.step + 1
             start = time.perf_counter()
             groups = await scheduler.collect(step)
-            samples, advantages = [], []
+            samples, advantages, singletons = [], [], 0
             for group in groups:
-                group_samples_, group_advantages = group_samples(group, config)
+                group_samples_, group_advantages, group_singletons = group_samples(group, config)
                 samples += group_samples_
-                advantages += group_advantages.tolist()
+                advantages += group_advantages
+                singletons += group_singletons
             write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
             progress = ckpt.Progress(
                 step=step,
@@ -210,7 +213,11 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 problems=progress.problems + len(groups),
             )
             metrics = batch_metrics(groups, step, scheduler.stats, time.perf_counter() - start, servers.urls)
-            metrics.update(lag.pop_metrics(), **{f"buffer/{k}": v for k, v in buffer.metrics().items()})
+            lag_max, lag_mean = lag.pop()
+            metrics.update(
+                {"event_loop_lag/max": lag_max, "event_loop_lag/mean": lag_mean, "groups/singleton": singletons}
+            )
+            metrics.update({f"buffer/{k}": v for k, v in buffer.metrics().items()})
             metrics.update(
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )
@@ -228,6 +235,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         await workers.close()
         await servers.close()
         monitor.close(exit_code)
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> None:

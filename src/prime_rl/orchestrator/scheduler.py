@@ -1,17 +1,24 @@
-"""Keeps groups in flight and enforces the off-policy bound (DESIGN section 2).
+"""Keeps groups in flight, enforces the off-policy bound, and fails the run when no progress is possible.
 
 Batch `n` is trained by trainer step `n`, which publishes `pi_n`. With `k = max_async_level`, no rollout of
-batch `n` may start on a policy older than `pi_{n-1-k}`. The scheduler therefore tags each group with the
-batch it is started for: in-flight and finished groups count towards the batch being filled first, and once
-that batch is covered new groups count towards the next one, which needs a newer policy. A group that may
-not start yet simply waits; when the batch being filled itself needs a newer policy, the scheduler waits for
-the trainer's `broadcasts/step_m/STABLE` and moves every server to it first (the async barrier). Newer
-published weights are loaded as soon as they appear, so most groups run on a fresher policy than required.
+batch `n` may start on a policy older than `pi_{n-1-k}`. The scheduler therefore tags each new group with the
+batch it is started for: finished rollouts and in-flight groups count towards the batch being filled first, and
+once that batch is covered new groups count towards the next one, which needs a newer policy. The count is in
+rollouts, not groups: a group that lost rollouts (an error, a sample longer than `seq_len`) covers less of its
+batch, so another group for the same batch may start at once. A group that may not start yet simply waits; when
+the batch being filled itself needs a newer policy, the scheduler waits for the trainer's
+`broadcasts/step_m/STABLE` and moves every server to it first (the async barrier). Newer published weights are
+loaded as soon as they appear, so most groups run on a fresher policy than required.
 
 A group's version is the oldest policy that produced any of its tokens: vLLM's per-token versions where it
 reports them, else the policy served when the group started. Finished groups that are too old for the batch
 they would land in (longer than expected in flight) are dropped, as are groups spanning more than
 `max_off_policy_steps` updates.
+
+Liveness: every wait is bounded. A run in which nothing trainable arrives (every rollout failing or too long,
+every group filtered, no weights from the trainer) stops with a message naming what it waited for and what it
+saw instead: after `unusable_limit` consecutive groups without a usable rollout, or `stall_timeout` seconds
+without an accepted group or published weights.
 """
 
 from __future__ import annotations
@@ -19,14 +26,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from loguru import logger
 
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.envs import EnvTasks
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.worker import GroupDone, RolloutResult, RolloutWorkers, RunGroup
+
+WAIT_WARNING_INTERVAL = 60.0
+"""Seconds between the warnings of a long wait (for weights)."""
+
+
+class StallError(RuntimeError):
+    """No progress is possible, or none was made for too long; the message says what was waited for."""
 
 
 def min_policy_for(batch: int, max_async_level: int) -> int:
@@ -34,10 +50,15 @@ def min_policy_for(batch: int, max_async_level: int) -> int:
     return max(0, batch - 1 - max_async_level)
 
 
-def target_batch(filling: int, groups_counted: int, groups_per_batch: int) -> int:
-    """The batch a new group is for, when `groups_counted` groups (finished or in flight) already count
-    towards batch `filling` and later ones."""
-    return filling + groups_counted // groups_per_batch
+def target_batch(filling: int, rollouts_counted: int, batch_size: int) -> int:
+    """The batch a new group is for, when `rollouts_counted` rollouts (finished, or expected from groups in flight)
+    already count towards batch `filling` and later ones."""
+    return filling + rollouts_counted // batch_size
+
+
+def trained_rollouts(groups: list[Group]) -> int:
+    """Rollouts of `groups` that carry samples to train on (a seat that never acted has none)."""
+    return sum(1 for g in groups for r in g.rollouts if r.samples)
 
 
 @dataclass
@@ -45,6 +66,8 @@ class Group:
     id: int
     env: str
     task_idx: int
+    task: dict
+    """The task's JSON data (the workers rebuild the task from it)."""
     start_version: int
     url: str
     attempts: int = 1
@@ -74,9 +97,79 @@ class StepStats:
     retries: int = 0
     dropped_stale: int = 0
     dropped_too_long: int = 0
+    dropped_failed: int = 0
     filtered: int = 0
     worker_loop_lag: float = 0.0
     groups_per_server: dict[str, int] = field(default_factory=dict)
+
+
+class Liveness:
+    """Tells a run that is only slow from one that cannot make progress, and says which one it is.
+
+    `unusable_limit` consecutive groups whose every rollout was unusable (failed, or longer than `seq_len`) end
+    the run at once: retrying the same environment and settings will not help. Groups that were usable but
+    filtered or too old only waste time, so they are left to the `stall_timeout` clock, which restarts whenever
+    a group is accepted or new weights arrive."""
+
+    def __init__(self, stall_timeout: float, unusable_limit: int, seq_len: int):
+        self.stall_timeout, self.unusable_limit, self.seq_len = stall_timeout, unusable_limit, seq_len
+        self.last_progress = time.monotonic()
+        self.streak = 0
+        self.reasons: Counter[str] = Counter()  # why rollouts were unusable, during the streak
+        self.example = ""
+        self.longest = 0
+        self.wasted: Counter[str] = Counter()  # usable groups not accepted, since the last progress
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+        self.wasted.clear()
+
+    def usable(self) -> None:
+        self.streak, self.longest, self.example = 0, 0, ""
+        self.reasons.clear()
+
+    def unusable(self, rollouts: list[RolloutResult], reason: str | None = None) -> None:
+        """A finished group none of whose rollouts can be used (`reason` for the whole group, e.g. retries spent)."""
+        self.streak += 1
+        for r in rollouts:
+            if reason is not None:
+                self.reasons[reason] += 1
+            elif r.error is not None:
+                self.reasons["failed"] += 1
+                self.example = self.example or r.error
+            else:
+                self.reasons["too_long"] += 1
+                self.longest = max([self.longest, *(len(s.token_ids) for s in r.samples)])
+        if self.streak >= self.unusable_limit:
+            raise StallError(self._unusable_message())
+
+    def _unusable_message(self) -> str:
+        parts = []
+        if self.reasons["too_long"]:
+            parts.append(
+                f"{self.reasons['too_long']} longer than seq_len={self.seq_len} (the longest {self.longest} tokens): "
+                "raise seq_len or lower sampling.max_tokens"
+            )
+        if self.reasons["failed"]:
+            parts.append(f"{self.reasons['failed']} failed, e.g. {self.example!r}")
+        for reason, count in self.reasons.items():
+            if reason not in ("too_long", "failed"):
+                parts.append(f"{count} {reason}")
+        total = sum(self.reasons.values())
+        return f"no usable rollout in the last {self.streak} groups ({total} rollouts): " + "; ".join(parts)
+
+    def check(self, inflight: dict[int, Group]) -> None:
+        """Raise if nothing was accepted for `stall_timeout` seconds."""
+        idle = time.monotonic() - self.last_progress
+        if idle <= self.stall_timeout:
+            return
+        oldest = max((time.perf_counter() - g.started for g in inflight.values()), default=0.0)
+        wasted = ", ".join(f"{n} {why}" for why, n in self.wasted.items()) or "none"
+        raise StallError(
+            f"no group accepted for {idle:.0f}s (stall_timeout): {len(inflight)} group(s) in flight, the oldest for "
+            f"{oldest:.0f}s; finished but not accepted: {wasted}. Raise orchestrator.stall_timeout if rollouts are "
+            "legitimately this slow"
+        )
 
 
 class Scheduler:
@@ -84,7 +177,7 @@ class Scheduler:
         self,
         config: OrchestratorConfig,
         buffer: Buffer,
-        tasks: dict[str, list],
+        tasks: dict[str, EnvTasks],
         servers: InferenceServers,
         workers: RolloutWorkers,
     ):
@@ -96,6 +189,8 @@ class Scheduler:
         self.ids = itertools.count()
         self.stats = StepStats()
         self.target_inflight = max(1, round(config.groups_per_batch * config.oversampling))
+        unusable_limit = max(16, 2 * config.groups_per_batch)
+        self.liveness = Liveness(config.stall_timeout, unusable_limit, config.seq_len)
 
     # -- policy --------------------------------------------------------------------------------------------
 
@@ -105,21 +200,34 @@ class Scheduler:
         if self.servers.version < needed:
             path = self.servers.weight_dir(needed) / "STABLE"
             if not path.exists():
-                logger.info(f"batch {batch} needs policy step {needed} (k={self.k}): waiting for {path}")
-                start = time.perf_counter()
-                while not path.exists():
-                    await asyncio.sleep(self.config.weights_poll_interval)
-                    self._check_fatal()
-                self.stats.wait_for_weights += time.perf_counter() - start
+                await self._wait_for(path, f"batch {batch} needs policy step {needed} (k={self.k})")
         latest = self.servers.latest_stable()
         if latest > self.servers.version:
             await self.swap(max(latest, needed))
+
+    async def _wait_for(self, path, why: str) -> None:
+        logger.info(f"{why}: waiting for {path}")
+        start = warned = time.monotonic()
+        while not path.exists():
+            await asyncio.sleep(self.config.weights_poll_interval)
+            self._check_fatal()
+            now = time.monotonic()
+            if now - start > self.config.stall_timeout:
+                raise StallError(
+                    f"{why}, but {path} did not appear within {now - start:.0f}s (stall_timeout): the trainer "
+                    "publishes it after that training step; is it running and training?"
+                )
+            if now - warned > WAIT_WARNING_INTERVAL:
+                logger.warning(f"{why}: still waiting for {path} ({now - start:.0f}s; written by the trainer)")
+                warned = now
+        self.stats.wait_for_weights += time.monotonic() - start
 
     async def swap(self, step: int) -> None:
         old = self.servers.version
         seconds = await self.servers.load_policy(step)
         self.stats.update_weights += seconds
         self.stats.swaps += 1
+        self.liveness.progress()  # the trainer moved: time spent waiting for it is no rollout stall
         logger.info(f"policy step {old} -> {step} on {len(self.servers.healthy())} server(s) in {seconds:.3f}s")
 
     def _check_fatal(self) -> None:
@@ -128,14 +236,18 @@ class Scheduler:
 
     # -- groups --------------------------------------------------------------------------------------------
 
+    def rollouts_counted(self) -> int:
+        """Rollouts that count towards the batches being filled: finished trainable ones, plus what the groups in
+        flight should bring (`rollouts_per_example` each; one that brings fewer makes room for another group)."""
+        return trained_rollouts(self.finished) + self.config.rollouts_per_example * len(self.inflight)
+
     async def top_up(self, filling: int) -> None:
         """Start groups until `target_inflight` are in flight, as far as the policy bound allows."""
         while len(self.inflight) < self.target_inflight:
             url = self.servers.least_loaded()
             if url is None:
                 return  # every server is recovering
-            counted = len(self.finished) + len(self.inflight)
-            batch = target_batch(filling, counted, self.config.groups_per_batch)
+            batch = target_batch(filling, self.rollouts_counted(), self.config.batch_size)
             if self.servers.version < min_policy_for(batch, self.k):
                 return  # a group started now would be too old for the batch it is for
             if self.retry_queue:
@@ -145,16 +257,17 @@ class Scheduler:
                 self.stats.retries += 1
             else:
                 env, idx = self.buffer.sample_task()
-                group = Group(next(self.ids), env, idx, self.servers.version, url)
+                tasks = self.tasks[env]
+                task = tasks.next() if tasks.size is None else tasks[idx]
+                group = Group(next(self.ids), env, idx, task, self.servers.version, url)
             await self._submit(group)
 
     async def _submit(self, group: Group) -> None:
         self.inflight[group.id] = group
         self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
-        task = self.tasks[group.env][group.task_idx]
         request = RunGroup(
-            id=group.id, env=group.env, task=task, n=self.config.rollouts_per_example, base_url=group.url
+            id=group.id, env=group.env, task=group.task, n=self.config.rollouts_per_example, base_url=group.url
         )
         await self.workers.submit(request)
 
@@ -170,6 +283,8 @@ class Scheduler:
                 self.retry_queue.append(group)
             else:
                 logger.warning(f"group of task {group.env}/{group.task_idx} failed {group.attempts} times; dropped")
+                self.stats.dropped_failed += 1
+                self.liveness.unusable(done.rollouts, f"failed on the inference server {group.attempts} times")
             return
         good = []
         for rollout in done.rollouts:
@@ -180,58 +295,86 @@ class Scheduler:
                 self.stats.dropped_too_long += 1
             else:
                 good.append(rollout)
-        if done.rollouts and len(good) < len(done.rollouts) and not good:
-            logger.warning(f"every rollout of {group.env}/{group.task_idx} failed: {done.rollouts[0].error}")
         if not good:
+            if done.rollouts and any(r.error for r in done.rollouts):
+                logger.warning(f"every rollout of {group.env}/{group.task_idx} failed: {done.rollouts[0].error}")
+            self.liveness.unusable(done.rollouts)
             return
+        self.liveness.usable()
         group.rollouts = good
         if group.version < group.start_version:
             # The server sampled with older weights than we believe it serves: it restarted on base weights.
             self.servers.mark_failed(group.url, f"served policy {group.version}, expected {group.start_version}")
-            self.stats.dropped_stale += 1
+            self._waste("stale")
             return
         if group.newest_version - group.version > self.config.max_off_policy_steps:
-            self.stats.dropped_stale += 1
+            self._waste("stale")
             return
-        rewards = [r.reward for r in good]
-        status = self.buffer.add_group(group.env, group.task_idx, rewards)
-        # Equal rewards give every estimator an advantage of exactly 0: no learning signal.
-        if status != "kept" or (self.config.filter_zero_advantage and len(set(rewards)) == 1):
-            self.stats.filtered += 1
+        status = self.buffer.add_group(group.env, group.task_idx, [r.reward for r in good])
+        if status != "kept":
+            self._waste("filtered")
+            return
+        if self.config.filter_zero_advantage and all(len(set(s)) == 1 for s in seat_rewards(good).values()):
+            # Equal rewards (per seat) give every estimator an advantage of exactly 0: no learning signal.
+            self._waste("filtered")
+            return
+        if not any(r.samples for r in good):
+            self._waste("without sampled tokens")
             return
         self.finished.append(group)
+        self.liveness.progress()
+
+    def _waste(self, why: str) -> None:
+        if why == "stale":
+            self.stats.dropped_stale += 1
+        else:
+            self.stats.filtered += 1
+        self.liveness.wasted[why] += 1
 
     # -- batches -------------------------------------------------------------------------------------------
 
     async def collect(self, batch: int) -> list[Group]:
-        """Groups for `batch`: at least `batch_size` rollouts, each started on a policy the bound allows."""
+        """Groups for `batch`: at least `batch_size` trained rollouts, each started on a policy the bound allows."""
         oldest = min_policy_for(batch, self.k)
         usable = [g for g in self.finished if g.version >= oldest]
         self.stats.dropped_stale += len(self.finished) - len(usable)
         self.finished = usable
-        while self._groups_needed() > len(self.finished):
+        while trained_rollouts(self.finished) < self.config.batch_size:
             self._check_fatal()
             await self.ensure_policy(batch)
             await self.top_up(batch)
+            if not self.inflight and not self.servers.recovering:
+                raise StallError(  # cannot happen while the accounting above holds; never loop silently if it does
+                    f"batch {batch}: nothing in flight and no group may start (policy step {self.servers.version}, "
+                    f"{trained_rollouts(self.finished)} of {self.config.batch_size} rollouts finished)"
+                )
             done = await self.workers.receive(timeout=self.config.weights_poll_interval)
             if done is not None:
                 accepted = len(self.finished)
                 self.on_done(done)
                 # Only a group accepted just now can be too old: the others passed this check with the same `oldest`
                 # (re-checking them all costs a pass over every token of every finished group, per finished group).
-                self.finished[accepted:] = [g for g in self.finished[accepted:] if g.version >= oldest]
+                fresh = [g for g in self.finished[accepted:] if g.version >= oldest]
+                self.stats.dropped_stale += len(self.finished) - accepted - len(fresh)
+                self.finished[accepted:] = fresh
+            self.liveness.check(self.inflight)
         return self._take_batch()
 
-    def _groups_needed(self) -> int:
-        """Fewest finished groups whose rollouts reach batch_size."""
-        total = 0
-        for i, group in enumerate(self.finished, start=1):
-            total += len(group.rollouts)
-            if total >= self.config.batch_size:
-                return i
-        return len(self.finished) + 1
-
     def _take_batch(self) -> list[Group]:
-        n = self._groups_needed()
-        batch, self.finished = self.finished[:n], self.finished[n:]
-        return batch
+        """The fewest finished groups whose trained rollouts reach `batch_size`, oldest first."""
+        total = 0
+        for n, group in enumerate(self.finished, start=1):
+            total += sum(1 for r in group.rollouts if r.samples)
+            if total >= self.config.batch_size:
+                batch, self.finished = self.finished[:n], self.finished[n:]
+                return batch
+        raise AssertionError("collect() returns only once the finished groups fill a batch")
+
+
+def seat_rewards(rollouts: list[RolloutResult]) -> dict[str, list[float]]:
+    """Rewards by seat: each seat of a multi-agent env is its own group for advantages (a first mover and its
+    opponent do not share a baseline); a single-agent env has one seat."""
+    seats: dict[str, list[float]] = {}
+    for r in rollouts:
+        seats.setdefault(r.seat, []).append(r.reward)
+    return seats

@@ -9,12 +9,18 @@ orchestrator's `version` moves.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from pathlib import Path
 
 import httpx
 from loguru import logger
+
+from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
+
+LOAD_ATTEMPTS = 3
+"""Times recovery tries to load the current policy on a server that answers before giving up on it."""
 
 
 class ServerError(RuntimeError):
@@ -28,7 +34,7 @@ class InferenceServers:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
         self.admin = {
-            url: httpx.AsyncClient(base_url=url.removesuffix("/v1"), headers=headers, timeout=timeout, limits=limits)
+            url: httpx.AsyncClient(base_url=self.root(url), headers=headers, timeout=timeout, limits=limits)
             for url in self.urls
         }
         self.output_dir = Path(output_dir)
@@ -41,6 +47,11 @@ class InferenceServers:
         """Set when a server could not be recovered; the orchestrator stops with it."""
         self.lock = asyncio.Lock()
 
+    @staticmethod
+    def root(url: str) -> str:
+        """The server's root URL (admin routes and /health live beside the OpenAI API's /v1)."""
+        return url.removesuffix("/v1")
+
     def weight_dir(self, step: int) -> Path:
         return self.output_dir / "broadcasts" / f"step_{step}"
 
@@ -51,33 +62,29 @@ class InferenceServers:
         healthy = self.healthy()
         return min(healthy, key=lambda url: self.load[url]) if healthy else None
 
-    async def wait_healthy(self, urls: list[str] | None = None, timeout: float = 1800.0) -> None:
-        """Poll `/health` until every server answers 200; warn every 30 s, fail after `timeout`."""
-        start = last_warning = time.monotonic()
-        pending = list(urls or self.urls)
-        while pending:
-            for url in list(pending):
-                try:
-                    if (await self.admin[url].get("/health", timeout=5)).status_code == 200:
-                        pending.remove(url)
-                except httpx.HTTPError:
-                    pass
-            if not pending:
-                return
-            now = time.monotonic()
-            if now - start > timeout:
-                raise ServerError(f"inference server(s) {pending} not healthy after {timeout:.0f}s")
-            if now - last_warning > 30:
-                logger.warning(f"waiting for inference server(s) {pending} to become healthy ({now - start:.0f}s)")
-                last_warning = now
-            await asyncio.sleep(1.0)
+    async def wait_healthy(self, timeout: float = 1800.0) -> None:
+        """Every server answers `/health` with 200 (warnings every 30 s while waiting; fails after `timeout`)."""
+        try:
+            await asyncio.gather(
+                *(wait_healthy([self.root(url)], timeout, client=self.admin[url]) for url in self.urls)
+            )
+        except TimeoutError as e:
+            raise ServerError(f"inference server(s) not healthy after {timeout:.0f}s: {self.urls}") from e
 
     async def _load_on(self, url: str, step: int) -> float:
+        """Load `pi_step` on one server. A 4xx (bad weights, wrong key) raises `ServerError`: retrying cannot help.
+        A dropped connection or a 5xx (the server died or failed mid-load) raises `httpx.HTTPError`: recoverable."""
         if step == 0:
             response = await self.admin[url].post("/reload_weights", json={})
         else:
             body = {"weight_dir": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
             response = await self.admin[url].post("/update_weights", json=body)
+        if response.status_code >= 500:
+            raise httpx.HTTPStatusError(
+                f"{url}: loading policy step {step} failed ({response.status_code}): {response.text[:500]}",
+                request=response.request,
+                response=response,
+            )
         if response.status_code != 200:
             raise ServerError(
                 f"{url}: loading policy step {step} failed ({response.status_code}): {response.text[:500]}"
@@ -85,12 +92,23 @@ class InferenceServers:
         return float(response.json().get("seconds", 0.0))
 
     async def load_policy(self, step: int) -> float:
-        """Every healthy server serves `pi_step` (0 = base weights) when this returns; the wall time it took."""
+        """Every healthy server serves `pi_step` (0 = base weights) when this returns; the wall time it took.
+
+        A server that fails during the swap (connection lost, 5xx) is taken out of rotation like one that fails
+        during generation, and recovery moves it to the new policy before it gets groups again: no group is ever
+        sent to a server on another version. Bad weights (4xx) end the run."""
         async with self.lock:
             start = time.perf_counter()
             urls = self.healthy()
-            await asyncio.gather(*(self._load_on(url, step) for url in urls))
-            self.version = step
+            results = await asyncio.gather(*(self._load_on(url, step) for url in urls), return_exceptions=True)
+            self.version = step  # recovering servers are moved to it before they serve again
+            for url, result in zip(urls, results, strict=True):
+                if isinstance(result, ServerError):
+                    raise result
+                if isinstance(result, httpx.HTTPError):
+                    self.mark_failed(url, f"weight swap to policy step {step} failed: {result}")
+                elif isinstance(result, BaseException):
+                    raise result
             seconds = time.perf_counter() - start
         logger.debug(f"servers now serve policy step {step} ({seconds:.3f}s)")
         return seconds
@@ -103,11 +121,26 @@ class InferenceServers:
         logger.warning(f"inference server {url} failing ({reason}); pausing it until healthy")
         self.recovering[url] = asyncio.create_task(self._recover(url))
 
-    async def _recover(self, url: str) -> None:
+    async def _recover(self, url: str, timeout: float = 1800.0) -> None:
+        """Wait until the server answers (healthy, or up with its weights in an unknown state after a failed swap),
+        then load the current policy; repeat while loading fails on a transient error."""
+        deadline = time.monotonic() + timeout
         try:
-            await self.wait_healthy([url])
-            async with self.lock:  # a swap in progress finishes first, so we load the version it set
-                await self._load_on(url, self.version)
+            for attempt in itertools.count(1):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ServerError(f"not serving again after {timeout:.0f}s")
+                accept = (HEALTHY, WEIGHTS_UNKNOWN)
+                await wait_healthy([self.root(url)], remaining, accept=accept, client=self.admin[url])
+                try:
+                    async with self.lock:  # a swap in progress finishes first, so we load the version it set
+                        await self._load_on(url, self.version)
+                    break
+                except httpx.HTTPError as e:
+                    if attempt >= LOAD_ATTEMPTS:  # answering, yet failing to load the same weights: not transient
+                        raise ServerError(f"loading policy step {self.version} failed {attempt} times: {e}") from e
+                    logger.warning(f"inference server {url}: loading policy step {self.version} failed ({e}); retrying")
+                    await asyncio.sleep(1.0)
             logger.info(f"inference server {url} back, serving policy step {self.version}")
         except Exception as e:
             self.fatal = ServerError(f"inference server {url} did not recover: {e}")

@@ -27,7 +27,9 @@ from typing import Any
 
 import msgspec
 
+from prime_rl.orchestrator.envs import load_env
 from prime_rl.orchestrator.samples import SampleTokens, expand_version_spans, trace_samples
+from prime_rl.utils.loop_lag import LoopLagMonitor
 
 # ---------------------------------------------------------------------------------------------------------
 # Messages between the orchestrator and its workers (msgpack, tagged unions).
@@ -47,10 +49,15 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class RolloutResult(msgspec.Struct):
+    """One trace of the policy (a seat's part of an episode): its reward, and its samples if it sampled tokens.
+
+    A trace without samples and without an error (a seat that never had to act) is a rollout like any other for
+    rewards and metrics; it is simply not trained on."""
+
     reward: float
     samples: list[SampleTokens]
     error: str | None = None
-    """Why the rollout cannot be trained on (None: fine)."""
+    """Why the rollout is excluded from rewards and training (None: fine)."""
     retryable: bool = False
     """The error came from the inference server (connection, 5xx): running the group again may succeed."""
     truncated: bool = False
@@ -67,6 +74,12 @@ class RolloutResult(msgspec.Struct):
     """Tokens of the first prompt."""
     completion_tokens: int = 0
     """Tokens the model generated, all turns."""
+    seat: str = "agent"
+    """The env seat that produced the trace (`agent` for single-agent envs); advantages are computed per seat."""
+    episode: int = 0
+    """Which episode of its group the trace belongs to (an episode of a multi-agent env has a trace per seat)."""
+    temperature: float | None = None
+    """The temperature the seat sampled with (a seat may set its own), None where the trace does not say."""
 
 
 class GroupDone(msgspec.Struct, tag=True):
@@ -138,7 +151,13 @@ def cache_default_factory_signatures() -> None:
     """
     from pydantic._internal import _fields
 
-    original = _fields.takes_validated_data_argument
+    original = getattr(_fields, "takes_validated_data_argument", None)
+    if original is None:  # a pydantic outside the range pyproject pins: run without the speed-up
+        logging.getLogger(__name__).warning(
+            "pydantic %s has no _fields.takes_validated_data_argument: rollout workers run without its cache",
+            _pydantic_version(),
+        )
+        return
     if getattr(original, "_prime_rl", False):
         return
     cached = functools.lru_cache(maxsize=None)(original)
@@ -153,36 +172,14 @@ def cache_default_factory_signatures() -> None:
     _fields.takes_validated_data_argument = takes_validated_data_argument
 
 
+def _pydantic_version() -> str:
+    import pydantic
+
+    return pydantic.VERSION
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Environments.
-
-
-def env_config_data(env, seq_len: int) -> dict:
-    """verifiers env config for one of our `EnvConfig`s, with every cloud default overridden."""
-    agent: dict[str, Any] = {"runtime": {"type": "subprocess"}, "max_total_tokens": seq_len}
-    harness = env.harness or _default_harness(env.id)
-    if harness is not None:
-        agent["harness"] = {"id": harness}
-    return {"taskset": {"id": env.id, **env.args}, "agent": agent}
-
-
-def _default_harness(taskset_id: str) -> str | None:
-    """The taskset's own harness if its package exports one, else our in-process chat harness."""
-    from verifiers.v1.utils.loaders import default_harness_id
-
-    return None if default_harness_id(taskset_id) == taskset_id else "prime-chat"
-
-
-def load_env(env, seq_len: int):
-    """Load one environment; any failure names the environment and the cause."""
-    import verifiers.v1 as vf
-
-    try:
-        return vf.load_environment(vf.resolve_env_config(env_config_data(env, seq_len)))
-    except Exception as e:
-        raise RuntimeError(
-            f"environment {env.display_name!r} (id {env.id!r}) failed to load: {type(e).__name__}: {e}"
-        ) from e
+# Traces -> results.
 
 
 def _error_of(trace) -> tuple[str | None, bool]:
@@ -220,15 +217,36 @@ def _token_counts(trace, samples: list[SampleTokens]) -> tuple[int, int]:
     return (first_call.usage.prompt_tokens if first_call else 0), (total.completion_tokens if total else 0)
 
 
-def rollout_result(trace, seconds: float, keep_messages: bool = False, chat_api: bool = False) -> RolloutResult:
-    """One trainable trace -> what the orchestrator needs: reward, samples, error state, a little text.
+def untrainable_sampling(sampling) -> str | None:
+    """Why tokens sampled with `sampling` cannot be trained on, or None.
 
-    `chat_api` (a chat-completions endpoint): the trace has no token ids, which is then no error."""
+    The trainer scores tokens with the full softmax at the sampling temperature; a seat that sets its own top_p,
+    top_k or min_p, or samples greedily, produced tokens from another distribution than the one it is scored on."""
+    if sampling is None:
+        return None
+    extra = sampling.model_extra or {}
+    top_k, min_p = extra.get("top_k", -1), extra.get("min_p", 0.0)
+    if (sampling.top_p or 1.0) < 1.0 or top_k not in (-1, 0, None) or (min_p or 0.0) > 0.0:
+        return f"the seat samples with top_p={sampling.top_p}, top_k={top_k}, min_p={min_p}: not the full softmax"
+    if not sampling.temperature:
+        return f"the seat samples with temperature={sampling.temperature}: greedy tokens cannot be trained on"
+    return None
+
+
+def rollout_result(
+    trace, seconds: float, keep_messages: bool = False, chat_api: bool = False, training: bool = False
+) -> RolloutResult:
+    """One trace of the policy -> what the orchestrator needs: reward, samples, error state, a little text.
+
+    A trace that sampled no tokens (a seat that never had to act, or any trace on a chat-completions endpoint,
+    which returns no token ids) has no samples; that is no error. `training`: refuse traces whose seat sampled
+    from another distribution than the trainer scores."""
     error, retryable = _error_of(trace)
     versions = _captured.pop(trace.id, {})
-    samples = [] if error else trace_samples(trace.branches, versions)
-    if not chat_api and not error and not samples:
-        error = f"no sampled tokens (stop condition {trace.stop_condition})"
+    sampling = getattr(trace.agent.config, "sampling", None)
+    if error is None and training:
+        error = untrainable_sampling(sampling)
+    samples = [] if error or chat_api else trace_samples(trace.branches, versions)
     prompt_tokens, completion_tokens = _token_counts(trace, samples)
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
     for name, reward in (trace.rewards or {}).items():
@@ -251,17 +269,19 @@ def rollout_result(trace, seconds: float, keep_messages: bool = False, chat_api:
         tools=[tool_schema(t) for t in trace.tools] or None if keep_messages else None,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        seat=trace.agent.name,
+        temperature=getattr(sampling, "temperature", None),
     )
 
 
-def episode_results(
-    episode, seconds: float, keep_messages: bool = False, chat_api: bool = False
-) -> list[RolloutResult]:
+def episode_results(episode, seconds: float, **options) -> list[RolloutResult]:
+    """The policy's traces of one episode (seats the env made untrainable, e.g. a simulated user, are not the
+    policy); `options` go to `rollout_result`."""
     traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
     if not traces:
         errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
-        return [RolloutResult(reward=0.0, samples=[], error=errors[:500], retryable=False, seconds=seconds)]
-    results = [rollout_result(t, seconds, keep_messages, chat_api) for t in traces]
+        return [RolloutResult(reward=0.0, samples=[], error=errors[:500], seconds=seconds)]
+    results = [rollout_result(t, seconds, **options) for t in traces]
     if not episode.ok and episode.errors:
         # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
         message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
@@ -299,7 +319,7 @@ class Worker:
     against `/v1/chat/completions` of any OpenAI-compatible endpoint (verifiers' eval client: no token ids,
     so nothing to train on; `eval`/`synthesize` only)."""
 
-    def __init__(self, config, index: int, keep_messages: bool = False, chat_api: bool = False):
+    def __init__(self, config, index: int, keep_messages: bool = False, chat_api: bool = False, training: bool = False):
         import verifiers.v1 as vf
 
         self.vf, self.config, self.index = vf, config, index
@@ -312,10 +332,10 @@ class Worker:
             }
         self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_url}
         self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
-        self.chat_api = chat_api
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
-        self.keep_messages = keep_messages
-        self.max_lag = 0.0
+        self.result_options = {"keep_messages": keep_messages, "chat_api": chat_api, "training": training}
+        self.loop_lag: LoopLagMonitor | None = None
+        """Set by a worker process that watches its event loop; its worst lag goes back with each group."""
 
     def build_task(self, env_name: str, data: dict):
         env = self.envs[env_name]
@@ -329,23 +349,20 @@ class Worker:
             model=self.config.model.name, client=self.clients[request.base_url], sampling=self.sampling
         )
 
-        async def one() -> list[RolloutResult]:
+        async def one(index: int) -> list[RolloutResult]:
             start = time.perf_counter()
             try:
                 episode = await env.run_episode(task, ctx)
+                results = episode_results(episode, time.perf_counter() - start, **self.result_options)
             except Exception as e:  # the episode boundary records hook failures; this is a last resort
-                return [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
-            return episode_results(episode, time.perf_counter() - start, self.keep_messages, self.chat_api)
+                results = [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
+            for result in results:
+                result.episode = index
+            return results
 
-        groups = await asyncio.gather(*(one() for _ in range(request.n)))
-        lag, self.max_lag = self.max_lag, 0.0
+        groups = await asyncio.gather(*(one(i) for i in range(request.n)))
+        lag = self.loop_lag.pop()[0] if self.loop_lag is not None else 0.0
         return GroupDone(id=request.id, rollouts=[r for g in groups for r in g], loop_lag=lag)
-
-    async def watch_loop_lag(self, interval: float = 0.1) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(interval)
-            self.max_lag = max(self.max_lag, time.perf_counter() - start - interval)
 
 
 async def _serve(config, index: int, address: str) -> None:
@@ -360,7 +377,7 @@ async def _serve(config, index: int, address: str) -> None:
     socket.connect(address)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToWorker)
     try:
-        worker = Worker(config, index)
+        worker = Worker(config, index, training=True)
     except Exception as e:
         await socket.send(encoder.encode(Failed(worker=index, message=str(e))))
         await asyncio.sleep(0.5)  # let zmq flush before the process exits
@@ -370,7 +387,8 @@ async def _serve(config, index: int, address: str) -> None:
         stack.push_async_callback(close_shared_client)  # prime-chat's HTTP pool lives on this loop
         for env in worker.envs.values():
             await stack.enter_async_context(env.serving())
-        background = {asyncio.create_task(worker.watch_loop_lag())}
+        worker.loop_lag = LoopLagMonitor()
+        background = {asyncio.create_task(worker.loop_lag.run())}
 
         async def run_and_reply(request: RunGroup) -> None:
             await socket.send(encoder.encode(await worker.run_group(request)))

@@ -1,4 +1,4 @@
-"""Child processes of the launchers (`rl`, `eval`): own process group, death with the parent, clean stop."""
+"""Child processes of the launchers (`rl`, `eval`, tests): own process group, death with the parent, clean stop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 from loguru import logger
 
 
@@ -22,6 +21,9 @@ def _die_with_parent() -> None:
 
 
 class Process:
+    """A command in its own process group (so stopping it stops everything it started), writing its console to
+    `output`, that receives SIGTERM if the process that started it dies."""
+
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
         self.name, self.cmd, self.env, self.output = name, cmd, env, output
         self.proc: subprocess.Popen | None = None
@@ -69,17 +71,3 @@ def stop_all(processes: list[Process], grace: float) -> None:
         p.signal(signal.SIGKILL)
         if p.proc is not None and p.proc.poll() is None:
             p.proc.wait()
-
-
-def wait_healthy(server: Process, url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"inference exited with code {server.poll()} before becoming healthy:\n{server.tail()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"inference not healthy after {timeout:.0f}s:\n{server.tail()}")

@@ -1,0 +1,79 @@
+"""Waiting for inference servers to be healthy: the one polling loop every launcher, test and the orchestrator use.
+
+`GET /health` answers 200 when the server serves. Our plugin answers 503 with `{"status": "weights_unknown"}` when
+a failed weight swap could not restore the previous weights: the server is up but must be given weights again
+before it may serve (the orchestrator's recovery does that, so it waits for either state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from loguru import logger
+
+HEALTHY, WEIGHTS_UNKNOWN, DOWN = "healthy", "weights_unknown", "down"
+
+
+def health_state(response: httpx.Response | None) -> str:
+    """What one `/health` answer (None: no answer) says about the server."""
+    if response is None:
+        return DOWN
+    if response.status_code == 200:
+        return HEALTHY
+    if response.status_code == 503:
+        try:
+            if response.json().get("status") == WEIGHTS_UNKNOWN:
+                return WEIGHTS_UNKNOWN
+        except ValueError:
+            pass
+    return DOWN
+
+
+async def probe(client: httpx.AsyncClient, url: str) -> str:
+    try:
+        return health_state(await client.get(f"{url}/health", timeout=5))
+    except httpx.HTTPError:
+        return DOWN
+
+
+async def wait_healthy(
+    urls: list[str],
+    timeout: float,
+    process=None,
+    accept: tuple[str, ...] = (HEALTHY,),
+    client: httpx.AsyncClient | None = None,
+    warn_every: float = 30.0,
+) -> dict[str, str]:
+    """Poll `{url}/health` (url without `/v1`) until every server is in one of the `accept` states; returns them.
+
+    Warns every `warn_every` seconds naming the servers still waited for; raises `TimeoutError` after `timeout`,
+    or `RuntimeError` at once if `process` (the server's `Process`, when we started it) exits."""
+    own = client is None
+    client = client or httpx.AsyncClient(trust_env=False)
+    start = warned = time.monotonic()
+    states = dict.fromkeys(urls, DOWN)
+    try:
+        while True:
+            pending = [u for u in urls if states[u] not in accept]
+            for url in pending:
+                states[url] = await probe(client, url)
+            pending = [u for u in urls if states[u] not in accept]
+            if not pending:
+                return states
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(
+                    f"{process.name} exited with code {process.poll()} before becoming healthy:\n{process.tail()}"
+                )
+            now = time.monotonic()
+            if now - start > timeout:
+                tail = f":\n{process.tail()}" if process is not None else ""
+                raise TimeoutError(f"inference server(s) {pending} not healthy after {timeout:.0f}s{tail}")
+            if now - warned > warn_every:
+                logger.warning(f"waiting for inference server(s) {pending} to become healthy ({now - start:.0f}s)")
+                warned = now
+            await asyncio.sleep(min(1.0, max(0.05, timeout - (now - start))))
+    finally:
+        if own:
+            await client.aclose()
