@@ -1,15 +1,9 @@
 import asyncio
 import re
-import sys
-from pathlib import Path
 
+import env_testkit as kit
 import pytest
-import verifiers.v1 as vf
-
-sys.path.insert(0, str(Path(__file__).parent))  # the testkit is also the harness plugin `arithmetic_testkit`
-
-import arithmetic_testkit as kit  # noqa: E402
-from arithmetic import (  # noqa: E402
+from arithmetic import (
     ArithmeticConfig,
     ArithmeticData,
     ArithmeticTask,
@@ -94,22 +88,12 @@ def answer_script(body: dict) -> dict:
 
 
 async def run_episodes(script, task_list, **taskset_args):
-    env = vf.load_environment(
-        vf.resolve_env_config(
-            {
-                "taskset": {"id": "arithmetic", **taskset_args},
-                "agent": {"harness": {"id": "arithmetic_testkit"}, "runtime": {"type": "subprocess"}},
-            }
-        )
-    )
-    async with kit.ScriptedChatServer(script) as server, env.serving():
-        ctx = vf.ModelContext(
-            model="m",
-            client=vf.EvalClientConfig(base_url=server.base_url, api_key_var=API_KEY_VAR),
-            sampling=vf.SamplingConfig(max_tokens=16),
-        )
-        tasks_ = task_list(env) if callable(task_list) else task_list
-        return [await env.run_episode(task, ctx) for task in tasks_]
+    config = {
+        "taskset": {"id": "arithmetic", **taskset_args},
+        "agent": {"harness": {"id": "env_testkit"}, "runtime": {"type": "subprocess"}},
+    }
+    episodes, _ = await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
+    return episodes
 
 
 def test_episode_correct_answers(monkeypatch):

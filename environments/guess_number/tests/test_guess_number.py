@@ -1,14 +1,9 @@
 import asyncio
-import sys
-from pathlib import Path
 
+import env_testkit as kit
 import pytest
 import verifiers.v1 as vf
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import guess_number_testkit as kit  # noqa: E402
-from guess_number import (  # noqa: E402
+from guess_number import (
     SYSTEM_PROMPT,
     GuessNumberConfig,
     GuessNumberData,
@@ -115,18 +110,8 @@ async def run_episodes(script, task_list, harness: str | None = "guess-number", 
     agent = {"runtime": {"type": "subprocess"}}
     if harness is not None:
         agent["harness"] = {"id": harness}
-    env = vf.load_environment(
-        vf.resolve_env_config({"taskset": {"id": "guess-number", **taskset_args}, "agent": agent})
-    )
-    async with kit.ScriptedChatServer(script) as server, env.serving():
-        ctx = vf.ModelContext(
-            model="m",
-            client=vf.EvalClientConfig(base_url=server.base_url, api_key_var=API_KEY_VAR),
-            sampling=vf.SamplingConfig(max_tokens=16),
-        )
-        tasks_ = task_list(env) if callable(task_list) else task_list
-        episodes = [await env.run_episode(task, ctx) for task in tasks_]
-    return episodes, server.requests
+    config = {"taskset": {"id": "guess-number", **taskset_args}, "agent": agent}
+    return await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
 
 
 def test_episode_solved_on_second_guess(monkeypatch):

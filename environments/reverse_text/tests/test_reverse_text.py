@@ -1,14 +1,8 @@
 import asyncio
-import sys
-from pathlib import Path
 
+import env_testkit as kit
 import pytest
-import verifiers.v1 as vf
-
-sys.path.insert(0, str(Path(__file__).parent))  # the testkit is also the harness plugin `reverse_text_testkit`
-
-import reverse_text_testkit as kit  # noqa: E402
-from reverse_text import (  # noqa: E402
+from reverse_text import (
     SYSTEM_PROMPT,
     ReverseTextConfig,
     ReverseTextData,
@@ -85,23 +79,11 @@ def reverse_script(body: dict) -> dict:
 
 
 async def run_episodes(script, task_list, **taskset_args):
-    env = vf.load_environment(
-        vf.resolve_env_config(
-            {
-                "taskset": {"id": "reverse-text", **taskset_args},
-                "agent": {"harness": {"id": "reverse_text_testkit"}, "runtime": {"type": "subprocess"}},
-            }
-        )
-    )
-    async with kit.ScriptedChatServer(script) as server, env.serving():
-        ctx = vf.ModelContext(
-            model="m",
-            client=vf.EvalClientConfig(base_url=server.base_url, api_key_var=API_KEY_VAR),
-            sampling=vf.SamplingConfig(max_tokens=16),
-        )
-        tasks_ = task_list(env) if callable(task_list) else task_list
-        episodes = [await env.run_episode(task, ctx) for task in tasks_]
-    return episodes, server.requests
+    config = {
+        "taskset": {"id": "reverse-text", **taskset_args},
+        "agent": {"harness": {"id": "env_testkit"}, "runtime": {"type": "subprocess"}},
+    }
+    return await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
 
 
 def test_episode_correct_reversal(monkeypatch):

@@ -1,23 +1,29 @@
-"""Test helpers for reverse-text: a scripted OpenAI-compatible chat server and a one-call chat harness.
+"""The bundled environments' shared test kit (put on the path by `environments/conftest.py`).
 
-The harness is a verifiers plugin (harness id `reverse_text_testkit`): this module's `__all__` exports it.
+- `ScriptedChatServer`: an OpenAI-compatible chat server on 127.0.0.1 whose replies come from a script.
+- `OneCallChatHarness`: a chat harness making one completion per segment, in this process. It is a verifiers
+  harness plugin with id `env_testkit` (this module's name; `__all__` exports it).
+- `run_episodes`: load an environment from its config dict and run episodes against a scripted server.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import httpx
 import verifiers.v1 as vf
 from aiohttp import web
+
+Script = Callable[[dict], dict]
+"""A request body -> the assistant message to answer with (without `role`), e.g. `{"content": "42"}`."""
 
 
 class ScriptedChatServer:
     """`POST /v1/chat/completions` answered by `script(request_body) -> assistant message dict`; `GET /v1/models`.
     Every request body is kept in `requests`. Use as `async with ScriptedChatServer(script) as server:`."""
 
-    def __init__(self, script: Callable[[dict], dict]) -> None:
+    def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[dict] = []
         self.port = 0
@@ -63,7 +69,8 @@ class ScriptedChatServer:
 
 
 class OneCallChatHarness(vf.Harness[vf.HarnessConfig]):
-    """One chat completion through the interception endpoint, in this process."""
+    """One chat completion through the interception endpoint, in this process (harness id `env_testkit`).
+    Resumable: a later segment of an interaction relaunches it on the conversation so far."""
 
     APPENDS_SYSTEM_PROMPT = True
     SUPPORTS_RESUME = True
@@ -85,6 +92,30 @@ class OneCallChatHarness(vf.Harness[vf.HarnessConfig]):
             )
         response.raise_for_status()
         return vf.ProgramResult(0, "", "")
+
+
+async def run_episodes(
+    config: dict,
+    script: Script,
+    tasks: Iterable[vf.Task] | Callable[[vf.Env], Iterable[vf.Task]],
+    *,
+    api_key_var: str,
+    max_tokens: int = 16,
+) -> tuple[list[vf.Episode], list[dict]]:
+    """Load the env of `config` (`vf.resolve_env_config` data) and run one episode per task, in order, against a
+    `ScriptedChatServer(script)` through verifiers' eval client (model `m`, `max_tokens`). `tasks` may be a
+    function of the loaded env (e.g. `lambda env: list(env.taskset.take(3))`). The API key is read from the
+    environment variable `api_key_var`, which the caller sets. Returns the episodes and the server's requests."""
+    env = vf.load_environment(vf.resolve_env_config(config))
+    async with ScriptedChatServer(script) as server, env.serving():
+        ctx = vf.ModelContext(
+            model="m",
+            client=vf.EvalClientConfig(base_url=server.base_url, api_key_var=api_key_var),
+            sampling=vf.SamplingConfig(max_tokens=max_tokens),
+        )
+        task_list = tasks(env) if callable(tasks) else tasks
+        episodes = [await env.run_episode(task, ctx) for task in task_list]
+    return episodes, server.requests
 
 
 __all__ = ["OneCallChatHarness"]
