@@ -135,3 +135,37 @@ def test_unreachable_server_is_retried_then_recorded(tied_server, tmp_path):
     assert len(records) == 4 and all(r["error"] for r in records)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["policies"][0]["envs"]["reverse-text"]["errors"] == 4
+
+
+def test_multi_agent_env_counts_every_seat_and_seats_that_never_acted(tied_server, tmp_path):
+    """nim (two seats) with piles of at most 3 sticks: the first seat wins at once with a valid move, or forfeits,
+    so the second seat often never acts. Such a trace has a reward and no tokens: not an error (it used to be
+    reported as one, and eval exited 1). Each game has exactly one winner, so the seats' mean rewards sum to 1.
+    The progress bar counts episodes (6 examples x 2), not the rollouts they yield (one per seat)."""
+    env = json.dumps([{"id": "nim", "num_examples": 6, "rollouts_per_example": 2, "args": {"max_sticks": 3}}])
+    proc = run_eval(tied_server, tmp_path, "--env", env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 6 * 2 * 2 and all(r["error"] is None for r in records)
+    assert sorted({r["seat"] for r in records}) == ["first", "second"]
+    idle = [r for r in records if r["completion_tokens"] == 0]
+    assert idle and all(r["seat"] == "second" for r in idle)  # the first seat always moves
+    nim = json.loads((tmp_path / "summary.json").read_text())["policies"][0]["envs"]["nim"]
+    first, second = nim["seats"]["first"], nim["seats"]["second"]
+    assert first["rollouts"] == second["rollouts"] == 12 and nim["errors"] == 0
+    assert first["reward_mean"] + second["reward_mean"] == pytest.approx(1.0)
+    assert nim["reward_mean"] == pytest.approx(0.5)
+    assert "pass@2" in first and "pass@2" in second  # per seat: two rollouts of each example each
+    assert "nim/first reward: base " in proc.stdout and "nim/second reward: base " in proc.stdout
+    assert "12/12" in proc.stderr and "24/12" not in proc.stderr
+
+
+def test_a_bad_environment_fails_before_the_server_starts(tmp_path):
+    """`eval --inference` loads the environments first: a bad environment config is an error in seconds, not after
+    vLLM's start-up (no server is started, nothing is served)."""
+    args = [EVAL, "--output-dir", str(tmp_path), "--model.name", str(tmp_path), "--inference"]
+    args += ["--env", json.dumps([{"id": "nim", "env_args": {"first": {"max_turns": "many"}}}])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "eval: error: environment 'nim'" in proc.stderr and "max_turns" in proc.stderr
+    assert not (tmp_path / "logs" / "inference.out").exists()

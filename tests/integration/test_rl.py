@@ -15,14 +15,24 @@ import psutil
 import pytest
 from conftest import API_KEY
 
-from prime_rl.batch import batch_path, read_batch
+from prime_rl.batch import batch_path
 
 RL = str(Path(sys.executable).parent / "rl")
 KEY_VAR = "PRIME_TEST_API_KEY"
 
 
+REVERSE_TEXT = '[[orchestrator.env]]\nid = "reverse-text"\n'
+
+
 def write_config(
-    path: Path, srv, out: Path, k: int, steps: int, managed_inference: bool = False, extra: str = ""
+    path: Path,
+    srv,
+    out: Path,
+    k: int,
+    steps: int,
+    managed_inference: bool = False,
+    extra: str = "",
+    envs: str = REVERSE_TEXT,
 ) -> Path:
     client = (
         "" if managed_inference else f'[orchestrator.client]\nbase_url = ["{srv.url}/v1"]\napi_key_var = "{KEY_VAR}"\n'
@@ -49,8 +59,7 @@ weights_poll_interval = 0.2
 renderer = {{ name = "qwen3", enable_thinking = false }}
 [orchestrator.sampling]
 max_tokens = 12
-[[orchestrator.env]]
-id = "reverse-text"
+{envs}
 {client}
 [trainer.optim]
 lr = 1e-3
@@ -64,36 +73,72 @@ def start_rl(config: Path, *args: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen([RL, "@", str(config), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def trainer_steps(out: Path, skip_lines: int = 0) -> list[int]:
+def process_metrics(out: Path, process: str, skip_lines: int = 0) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()[skip_lines:]
-    return [m["step"] for m in map(json.loads, lines) if m["process"] == "trainer"]
+    return [m for m in map(json.loads, lines) if m["process"] == process]
+
+
+def trainer_metrics(out: Path, skip_lines: int = 0) -> list[dict]:
+    return process_metrics(out, "trainer", skip_lines)
+
+
+def orchestrator_metrics(out: Path) -> list[dict]:
+    return process_metrics(out, "orchestrator")
+
+
+def trainer_steps(out: Path, skip_lines: int = 0) -> list[int]:
+    return [m["step"] for m in trainer_metrics(out, skip_lines)]
+
+
+# k=0 also trains the two-seat nim environment beside reverse-text (self-play; some episodes end before the
+# second seat acts); k=2 keeps checkpoints (keep_last 1) to check that the run's disk use stays bounded.
+NIM_MIX = REVERSE_TEXT.replace('"reverse-text"\n', '"reverse-text"\nratio = 1\n') + (
+    '[[orchestrator.env]]\nid = "nim"\nratio = 1\nargs = { max_sticks = 5 }\n'
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server, k):
+    """k + 5 steps: the bound n-1-k > 0 is active on 4 batches of every run."""
     srv = tied_server
     out = srv.root / "rl" / f"k{k}"
     out.mkdir(parents=True)
-    config = write_config(out.parent / f"k{k}.toml", srv, out, k=k, steps=4)
+    steps = k + 5
+    extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n" if k == 2 else ""
+    config = write_config(
+        out.parent / f"k{k}.toml", srv, out, k=k, steps=steps, extra=extra, envs=NIM_MIX if k == 0 else REVERSE_TEXT
+    )
     # k=1 also checks the W&B sink of the real processes, offline: no network needed.
     wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"] if k == 1 else []
     proc = start_rl(config, *wandb, log=out.parent / f"k{k}.log")
     assert proc.wait(600) == 0, (out.parent / f"k{k}.log").read_text()[-4000:]
     console = (out.parent / f"k{k}.log").read_text()
-    assert "[trainer] step 4 |" in console and "[orchestrator] step 4 |" in console
-    assert trainer_steps(out) == [1, 2, 3, 4]  # every batch consumed exactly once, in order
-    for n in range(1, 5):
-        versions = [v for s in read_batch(batch_path(out, n)).samples for v in s.policy_versions]
-        assert min(versions) >= n - 1 - k, (n, versions)  # realised lag never exceeds k
-        assert max(versions) <= n - 1  # and nothing claims a policy the trainer had not published yet
+    assert f"[trainer] step {steps} |" in console and f"[orchestrator] step {steps} |" in console
+    trained = trainer_metrics(out)
+    assert [m["step"] for m in trained] == list(range(1, steps + 1))  # every batch consumed once, in order
+    for m in trained:
+        n = m["step"]
+        assert m["policy_version/min"] >= n - 1 - k, m  # realised lag never exceeds k
+        assert m["policy_version/max"] <= n - 1, m  # and nothing claims a policy not yet published
+    if k == 0:
+        rows = [m for m in orchestrator_metrics(out) if "rollouts/nim" in m]
+        assert rows and all("reward/nim/first/mean" in m for m in rows)
     if k == 1:
-        check_offline_wandb_runs(out)
+        check_offline_wandb_runs(out, steps)
+    if k == 2:
+        # Bounded disk: consumed batches are gone; weights kept are the last k+1 the async bound may still load
+        # plus the broadcast of the one checkpoint kept (the last step's).
+        assert not list((out / "rollouts").glob("step_*")), list((out / "rollouts").glob("step_*"))
+        kept = sorted(int(p.name.removeprefix("step_")) for p in (out / "broadcasts").glob("step_*"))
+        assert kept == [steps - 2, steps - 1, steps], kept
+        checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+        assert checkpoints == [f"step_{steps}"], checkpoints
 
 
-def check_offline_wandb_runs(out: Path) -> None:
-    """Two offline runs, `exp-trainer` and `exp-orchestrator`, in group `exp`, with their step metrics (steps 1-4)
-    and, from the orchestrator, the samples table and the reward histogram (log extras at steps 2 and 4)."""
+def check_offline_wandb_runs(out: Path, steps: int) -> None:
+    """Two offline runs, `exp-trainer` and `exp-orchestrator`, in group `exp`, with their step metrics (every step)
+    and, from the orchestrator, the samples table and the reward histogram (log extras every 2 steps)."""
     from wandb_offline import wandb_records
 
     runs = {}
@@ -104,11 +149,11 @@ def check_offline_wandb_runs(out: Path) -> None:
         keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
         runs[run.display_name] = (run.run_group, keys, sorted({h.step.num for h in history}))
     assert set(runs) == {"exp-trainer", "exp-orchestrator"}, runs.keys()
-    group, keys, steps = runs["exp-trainer"]
-    assert group == "exp" and {"loss", "entropy", "mismatch_kl"} <= keys and steps == [1, 2, 3, 4]
-    group, keys, steps = runs["exp-orchestrator"]
+    group, keys, logged = runs["exp-trainer"]
+    assert group == "exp" and {"loss", "entropy", "mismatch_kl"} <= keys and logged == list(range(1, steps + 1))
+    group, keys, logged = runs["exp-orchestrator"]
     assert group == "exp" and {"reward/mean", "async_lag/max", "samples/_type", "distribution/reward/_type"} <= keys
-    assert steps == [1, 2, 3, 4]
+    assert logged == list(range(1, steps + 1))
 
 
 def run_pids(rl: psutil.Process) -> list[psutil.Process]:
@@ -125,9 +170,11 @@ def started_pid(log: Path, name: str, timeout: float = 600) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["trainer", "orchestrator", "inference"])
+@pytest.mark.parametrize("victim", ["trainer-agent", "trainer-rank", "orchestrator", "inference"])
 def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
-    """kill -9 one process mid-run: rl exits non-zero within 30 s naming it, and nothing of the run survives."""
+    """kill -9 one process mid-run: rl exits non-zero within 30 s naming it, and nothing of the run survives.
+    `trainer-agent` is the torchrun agent, the pid rl prints as the trainer (its ranks run in their own session, so
+    only dying with their parent stops them); `trainer-rank` the training rank itself, as the OOM killer would."""
     srv = tied_server
     out = srv.root / "rl" / f"kill_{victim}"
     out.mkdir(parents=True)
@@ -142,8 +189,14 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         tree = run_pids(psutil.Process(proc.pid))
-        target = psutil.Process(started_pid(log, victim))
-        if victim == "trainer":  # the training rank itself, as the OOM killer would
+        if victim == "orchestrator":  # a second run on the same output dir is refused, and touches nothing
+            before = sorted(p.name for p in (out / "rollouts").iterdir())
+            second = subprocess.run([RL, "@", str(config)], capture_output=True, text=True, timeout=120)
+            assert second.returncode == 2 and "another rl writes to" in second.stderr, second.stderr
+            assert set(before) <= {p.name for p in (out / "rollouts").iterdir()}
+        name = victim.removesuffix("-agent").removesuffix("-rank")
+        target = psutil.Process(started_pid(log, name))
+        if victim == "trainer-rank":
             target = next(
                 p for p in target.children(recursive=True) if "prime_rl.trainer.train" in " ".join(p.cmdline())
             )
@@ -156,7 +209,7 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
             proc.kill()
     text = log.read_text()
     assert code != 0 and elapsed < 30, (code, elapsed, text[-3000:])
-    assert re.search(rf"{victim} (failed with exit code|exited)", text), text[-3000:]
+    assert re.search(rf"{name} (failed with exit code|exited)", text), text[-3000:]
     time.sleep(1)
     alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
@@ -194,12 +247,22 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     log2 = tmp_path / "run2.log"
     proc = start_rl(config, "--ckpt.resume-step", "-1", log=log2)
     assert proc.wait(600) == 0, log2.read_text()[-4000:]
-    assert "resuming trainer and orchestrator from step 4" in log2.read_text()
-    assert trainer_steps(out, skip_lines=before) == [5, 6]
+    console = log2.read_text()
+    assert "resuming trainer and orchestrator from step 4" in console
+    assert "[trainer] step 1 |" not in console  # the killed run's step lines are not shown again
+    assert re.findall(r"\[trainer\] step (\d+) \|", console) == ["5", "6"]
+    resumed = trainer_metrics(out, skip_lines=before)
+    assert [m["step"] for m in resumed] == [5, 6]
+    assert all(m["policy_version/min"] >= 4 for m in resumed)  # batches 5 and 6 came from pi_4 or newer
     orch_log = (out / "logs" / "orchestrator.log").read_text().split("resuming from step 4")[-1]
     assert orch_log.index("serve policy step 4") < orch_log.index("step 5 |")
-    for n in (5, 6):
-        assert min(v for s in read_batch(batch_path(out, n)).samples for v in s.policy_versions) >= 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("rl-config") / "tiny"))
 
 
 @pytest.mark.parametrize(
@@ -209,13 +272,20 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
         (["--orchestrator.bogus", "1"], "unknown option --orchestrator.bogus"),
         (["--model.name", "/nonexistent/tiny-model"], "does not exist"),
         (["--trainer.seq-len", "100"], "trainer.seq_len (100) < orchestrator.seq_len (512)"),
+        (["--orchestrator.sampling.temperature", "0"], "temperature must be > 0"),
+        (["--orchestrator.sampling.top-p", "0.9"], "top_p = 0.9"),
+        (["--orchestrator.seq-len", "16"], "fills seq_len=16 before the model writes a token"),
+        (["--orchestrator.env", '[{"id": "no-such-env"}]'], "environment 'no-such-env' (id 'no-such-env') failed"),
+        (["--orchestrator.env", '[{"id": "nim", "env_args": {"first": {"bogus": 1}}}]'], "first.bogus"),
     ],
 )
-def test_bad_config_fails_before_anything_starts(tmp_path, args, needle):
+def test_bad_config_fails_before_anything_starts(tiny_model, tmp_path, args, needle):
+    """Also what only loading the environments can tell: a missing environment, a bad environment option, prompts
+    longer than seq_len (they used to start all three processes and drop every rollout, forever)."""
     out = tmp_path / "out"
     config = tmp_path / "rl.toml"
     config.write_text(
-        f'output_dir = "{out}"\nmax_steps = 3\n[model]\nname = "{tmp_path}"\n[orchestrator]\nseq_len = 512\n'
+        f'output_dir = "{out}"\nmax_steps = 3\n[model]\nname = "{tiny_model}"\n[orchestrator]\nseq_len = 512\n'
     )
     start = time.monotonic()
     result = subprocess.run([RL, "@", str(config), *args], capture_output=True, text=True, timeout=120)

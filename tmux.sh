@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One tmux session with a pane per process log of an `rl` run: uv run rl ... in the first pane, logs below.
-#   scripts/tmux.sh [output_dir] [session_name]      (output_dir must match the run's output_dir)
+#   ./tmux.sh [output_dir] [session_name]      (output_dir must match the run's output_dir)
 set -euo pipefail
 out="${1:-outputs}"
 session="${2:-prime-rl}"
