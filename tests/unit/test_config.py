@@ -272,3 +272,87 @@ def test_partial_table_of_a_tagged_union_keeps_the_default_type(capsys):
     assert cfg["optim"]["type"] == "sgd" and cfg["optim"]["momentum"] == 0.5
     err = fails(TrainerConfig, ["--optim.type", "sgd", "--optim.betas", "0.1,0.2"], capsys)
     assert "optim.betas" in err
+
+
+def test_help_lists_every_key_with_its_doc_and_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_config(ToyConfig, "toy", ["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    assert out.startswith("usage: toy [@ config.toml ...]")
+    for flag, doc, default in [
+        ("--trainer.optim.lr", "Learning rate.", "1e-06"),
+        ("--trainer.micro-batch-size", "Samples per micro batch.", "1"),
+        ("--ckpt.interval", "Steps between checkpoints.", "10"),
+        ("--enable-thing, --no-enable-thing", "A switch.", "False"),
+    ]:
+        assert f"{flag} " in out and f"{doc} (default: {default})" in out, flag
+    assert "--ckpt [JSON]" in out and "Optional checkpointing." in out
+
+
+def test_explicit_boolean_values_and_null(tmp_path, capsys):
+    """`--flag false`, `--flag=yes`, `--flag=0` (scripts pass values); `none`/`null` unsets an optional key."""
+    assert dry_run(ToyConfig, ["--enable-thing", "true", "--max-steps", "3"], capsys)["enable_thing"] is True
+    assert dry_run(ToyConfig, ["--enable-thing=yes", "--enable_thing", "false"], capsys)["enable_thing"] is False
+    assert dry_run(ToyConfig, ["--enable-thing=1"], capsys)["enable_thing"] is True
+    assert "expects true or false" in fails(ToyConfig, ["--enable-thing=maybe"], capsys)
+    set3 = write(tmp_path / "m.toml", "max_steps = 3\n[ckpt]\nkeep_last = 2\n")
+    cfg = dry_run(ToyConfig, ["@", str(set3), "--max-steps", "None", "--ckpt.keep-last=null"], capsys)
+    assert "max_steps" not in cfg and cfg["ckpt"] == {"interval": 10}
+
+
+def test_a_repeated_flag_replaces_the_earlier_one(capsys):
+    cfg = dry_run(ToyConfig, ["--gpu-ids", "0,1", "--gpu-ids", "2", "--max-steps", "1", "--max-steps", "2"], capsys)
+    assert cfg["gpu_ids"] == [2] and cfg["max_steps"] == 2
+    # Keys of a dict field add up, like TOML tables.
+    assert dry_run(ToyConfig, ["--env-args.a", "1", "--env-args.b", "2"], capsys)["env_args"] == {"a": 1, "b": 2}
+    assert dry_run(ToyConfig, ["--gpu-ids", ""], capsys)["gpu_ids"] == []
+
+
+def test_values_may_start_with_a_dash(capsys):
+    cfg = dry_run(ToyConfig, ["--trainer.optim.lr", "-1e-3", "--output-dir", "-odd"], capsys)
+    assert cfg["trainer"]["optim"]["lr"] == -1e-3 and cfg["output_dir"] == "-odd"
+
+
+class MicroConfig(BaseConfig):
+    batch_size: int = 0
+    """A key whose undotted spelling equals `model.micro_batch_size`'s."""
+
+
+class ClashConfig(EntrypointConfig):
+    model: TrainerConfig = TrainerConfig()
+    """A section."""
+    model_micro: MicroConfig = MicroConfig()
+    """Another section."""
+
+
+def test_ambiguous_undotted_spelling_lists_the_options(capsys):
+    err = fails(ClashConfig, ["--model-micro-batch-size", "2"], capsys)
+    assert "ambiguous" in err and "--model.micro_batch_size" in err and "--model_micro.batch_size" in err
+    assert dry_run(ClashConfig, ["--model-micro.batch-size", "2"], capsys)["model_micro"]["batch_size"] == 2
+
+
+def test_passthrough_collects_foreign_flags_with_their_values(capsys):
+    seen = []
+    argv = ["--max-num-seqs", "8", "--model.name", "m", "--enforce-eager", "--swap-space=4", "-tp", "2"]
+    cfg, extra = load_config(InferenceConfig, "inference", argv, check_passthrough=lambda c, e: seen.append(e))
+    assert cfg.model.name == "m" and extra == seen[0] == [
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--swap-space=4",
+        "-tp",
+        "2",
+    ]
+    # A typo inside one of our sections is still ours: an error, not a flag for vLLM.
+    with pytest.raises(SystemExit) as exc:
+        load_config(InferenceConfig, "inference", ["--model.nmae", "x"], check_passthrough=lambda c, e: None)
+    assert exc.value.code == 2 and "did you mean `model.name`" in capsys.readouterr().err
+    assert "unexpected argument 'stray'" in fails(ToyConfig, ["--max-steps", "1", "stray"], capsys)
+
+
+def test_union_member_key_of_another_type_names_the_flag(capsys):
+    from prime_rl.trainer.config import TrainerConfig as RealTrainerConfig
+
+    err = fails(RealTrainerConfig, ["--optim.type", "sgd", "--optim.betas", "0.1,0.2"], capsys)
+    assert "unknown key `optim.betas` (from --optim.betas)" in err

@@ -27,8 +27,8 @@ class EntrypointConfig(BaseSettings):
     """Top-level config of one entry point.
 
     Sources, highest first: CLI flags > `@ file.toml` > `PRIME_*` environment variables > defaults.
-    The CLI and TOML layers are merged by `prime_rl.config.load` and handed over as init values;
-    this class only adds the environment layer below them.
+    The CLI (parsed by pydantic-settings' `CliSettingsSource`) and TOML layers are merged by
+    `prime_rl.config.loader` and handed over as init values; this class only adds the environment layer below them.
     """
 
     model_config = SettingsConfigDict(

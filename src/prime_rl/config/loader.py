@@ -6,11 +6,15 @@ Sources, highest first:
   2. TOML files given as `@ path.toml` (several allowed, deep-merged, a later file wins per key) or
      scoped to one section with `--trainer @ t.toml`. A file may include others with
      `toml_files = ["base.toml"]` (relative to itself; the including file wins).
-  3. Environment variables `PRIME_MODEL__NAME=...` (`__` nests), read by pydantic-settings.
+  3. Environment variables `PRIME_MODEL__NAME=...` (`__` nests).
   4. Field defaults.
 
-Every value remembers where it came from, so an error names the dotted key and its source, and
-suggests the closest valid key. Errors raise `ConfigError`; entry points turn that into exit code 2.
+pydantic-settings does the parsing: its `CliSettingsSource` turns the flags into values (lists, JSON,
+`--flag`/`--no-flag`, bare section flags, `--help`) and `EnvSettingsSource` (see `EntrypointConfig`)
+reads the environment. This module adds only what the library lacks: the `@ file.toml` syntax with
+includes, more spellings of a key, `--no-<section>`, pass-through of foreign flags, `--dry-run`, and
+errors that name the dotted key, where its value came from and the closest valid key (`ConfigError`;
+entry points turn it into exit code 2).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import CliSettingsSource, SettingsError
 
 from prime_rl.config.base import EntrypointConfig
 from prime_rl.utils.fs import write_atomic
 
 C = TypeVar("C", bound=BaseModel)
+Key = tuple[str, ...]
 
 ENV_PREFIX = "PRIME_"
 INCLUDE_KEY = "toml_files"
@@ -45,137 +51,265 @@ class ConfigError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# Schema introspection: which dotted keys exist, and what kind of value each takes.
+# The dotted keys of a config: what the spellings, suggestions and error locations resolve against.
 # ---------------------------------------------------------------------------------------------
 
 
-def _strip_optional(annotation: Any) -> tuple[Any, bool]:
-    """`X | None` -> (X, True); anything else -> (annotation, False)."""
+def _members(annotation: Any) -> list[Any]:
+    """The types a field can hold: `Annotated` and unions unpacked (`X | None` -> [X, NoneType])."""
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(annotation))
-        if len(args) == 1:
-            return args[0], optional
-        return typing.Union[tuple(args)], optional  # noqa: UP007
     if origin is typing.Annotated:
-        return _strip_optional(typing.get_args(annotation)[0])
-    return annotation, False
+        return _members(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation]
 
 
-def _model_classes(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation can hold (several for a union of sections)."""
-    inner, _ = _strip_optional(annotation)
-    if isinstance(inner, type) and issubclass(inner, BaseModel):
-        return [inner]
-    if typing.get_origin(inner) in (typing.Union, types.UnionType):
-        return [a for a in typing.get_args(inner) if isinstance(a, type) and issubclass(a, BaseModel)]
-    return []
+def _sections(annotation: Any) -> list[type[BaseModel]]:
+    """The config sections a field can hold (several for a union such as `AdamWConfig | SGDConfig`)."""
+    return [m for m in _members(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
 
 
-@dataclass
-class FieldInfo:
-    """What the CLI parser needs to know about one dotted key."""
-
-    path: tuple[str, ...]
-    annotation: Any
-    sections: list[type[BaseModel]] = field(default_factory=list)  # non-empty: a sub-config
-    optional: bool = False
-
-    @property
-    def kind(self) -> str:
-        inner, _ = _strip_optional(self.annotation)
-        origin = typing.get_origin(inner)
-        if self.sections:
-            return "section"
-        if inner is bool:
-            return "bool"
-        if origin in (list, tuple, set) or inner in (list, tuple, set):
-            return "list"
-        if origin is dict or inner is dict:
-            return "dict"
-        return "scalar"
+def _is_bool(annotation: Any) -> bool:
+    return set(_members(annotation)) - {type(None)} == {bool}
 
 
-def _fields_of(models: list[type[BaseModel]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for model in models:
-        for name, info in model.model_fields.items():
-            merged.setdefault(name, info.annotation)
-    return merged
+def _is_list(annotation: Any) -> bool:
+    return any(m in (list, tuple, set) or typing.get_origin(m) in (list, tuple, set) for m in _members(annotation))
 
 
-def _walk(models: list[type[BaseModel]], prefix: tuple[str, ...] = ()) -> list[FieldInfo]:
-    """Every dotted key (sections and leaves) below the given models."""
-    out = []
-    for name, annotation in _fields_of(models).items():
-        path = prefix + (name,)
-        sections = _model_classes(annotation)
-        _, optional = _strip_optional(annotation)
-        out.append(FieldInfo(path, annotation, sections, optional))
-        if sections:
-            out.extend(_walk(sections, path))
-    return out
+def _is_dict(annotation: Any) -> bool:
+    return any(m is dict or typing.get_origin(m) is dict for m in _members(annotation))
 
 
-def _lookup(root: type[BaseModel], path: tuple[str, ...]) -> FieldInfo | None:
-    models: list[type[BaseModel]] = [root]
-    info = None
-    for i, name in enumerate(path):
-        fields = _fields_of(models)
-        if name not in fields:
-            return None
-        annotation = fields[name]
-        sections = _model_classes(annotation)
-        info = FieldInfo(path[: i + 1], annotation, sections, _strip_optional(annotation)[1])
-        if i < len(path) - 1:
-            if not sections:
-                # Free-form keys below a dict field (e.g. environment args) are allowed.
-                return FieldInfo(path, Any) if info.kind == "dict" else None
-            models = sections
-    return info
+def _optional(annotation: Any) -> bool:
+    return type(None) in _members(annotation)
 
 
-def _tokens(text: str) -> tuple[str, ...]:
+def config_keys(cls: type[BaseModel]) -> dict[Key, Any]:
+    """Every dotted key below `cls` (sections and leaves) with its annotation; a union's sections share keys."""
+    keys: dict[Key, Any] = {}
+
+    def walk(models: list[type[BaseModel]], prefix: Key) -> None:
+        for model in models:
+            for name, info in model.model_fields.items():
+                if prefix + (name,) not in keys:
+                    keys[prefix + (name,)] = info.annotation
+                    walk(_sections(info.annotation), prefix + (name,))
+
+    walk([cls], ())
+    return keys
+
+
+def _split(raw: str) -> Key:
+    return tuple(seg.replace("-", "_") for seg in raw.split("."))
+
+
+def _tokens(text: str) -> Key:
     return tuple(t for t in re.split(r"[.\-_]", text.lower()) if t)
 
 
-def resolve_key(root: type[BaseModel], raw: str) -> FieldInfo | None:
-    """Map a CLI key (`model.name`, `model-name`, `max_steps`, ...) to a field; None if unknown.
+def resolve_key(keys: dict[Key, Any], raw: str) -> Key | None:
+    """Map a flag name (`model.name`, `model-name`, `max_steps`, ...) to its dotted key; None if unknown.
 
-    Dotted keys are matched segment by segment with `-` and `_` equivalent. Undotted keys may also
-    use `-`/`_` in place of the dots (`--model-name`) when that spelling names exactly one key.
+    The library's parser knows one spelling (`--model.max-model-len`); we also accept `_` for `-` in
+    each segment, keys below a dict field (`--env-args.k`), and `-`/`_` in place of the dots when that
+    spelling names exactly one key (`--model-name`).
     """
-    info = _lookup(root, _split(raw))
-    if info is not None:
-        return info
-    wanted = _tokens(raw)
-    matches = [f for f in _walk([root]) if tuple(t for seg in f.path for t in _tokens(seg)) == wanted]
-    if len(matches) == 1:
-        return matches[0]
+    path = _split(raw)
+    known = max((n for n in range(1, len(path) + 1) if path[:n] in keys), default=0)
+    if known == len(path) or (known and _is_dict(keys[path[:known]])):
+        return path
+    matches = [key for key in keys if _tokens(".".join(key)) == _tokens(raw)]
     if len(matches) > 1:
-        options = ", ".join("--" + ".".join(m.path) for m in matches)
+        options = ", ".join("--" + ".".join(m) for m in matches)
         raise ConfigError(f"flag --{raw} is ambiguous: use one of {options}")
-    return None
+    return matches[0] if matches else None
 
 
-def suggest(root: type[BaseModel], path: tuple[str, ...]) -> str:
-    """' (did you mean `x.y`?)' for the closest valid key, or ''."""
-    parent = path[:-1]
-    parent_info = _lookup(root, parent) if parent else None
-    models = [root] if not parent else (parent_info.sections if parent_info else [])
-    names = list(_fields_of(models))
-    close = difflib.get_close_matches(path[-1].replace("-", "_"), names, n=1, cutoff=0.6)
-    if not close:
-        dotted = ".".join(path)
-        all_keys = [".".join(f.path) for f in _walk([root])]
-        close = difflib.get_close_matches(dotted.replace("-", "_"), all_keys, n=1, cutoff=0.75)
-        return f" (did you mean `{close[0]}`?)" if close else ""
-    return f" (did you mean `{'.'.join(parent + (close[0],))}`?)"
+def suggest(keys: dict[Key, Any], path: Key) -> str:
+    """' (did you mean `x.y`?)' for the closest other valid key (a sibling first, then any key), or ''."""
+    siblings = [k[-1] for k in keys if k[:-1] == path[:-1] and k != path]
+    close = difflib.get_close_matches(path[-1].replace("-", "_"), siblings, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean `{'.'.join(path[:-1] + (close[0],))}`?)"
+    others = [".".join(k) for k in keys if k != path]
+    close = difflib.get_close_matches(".".join(path).replace("-", "_"), others, n=1, cutoff=0.75)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 # ---------------------------------------------------------------------------------------------
-# Layers: nested dicts plus where each key came from.
+# argv: take out what only we know, hand the rest to pydantic-settings' CLI source.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedArgv:
+    """argv sorted into TOML layers, flags for the library's parser, and where each key was set."""
+
+    toml_files: list[tuple[Path, Key]] = field(default_factory=list)  # (path, section it loads into)
+    cli: list[str] = field(default_factory=list)
+    cli_sources: dict[Key, str] = field(default_factory=dict)
+    cli_nulls: list[Key] = field(default_factory=list)  # `--no-ckpt`, `--max-steps none`: set here, not by the library
+    dry_run: bool = False
+
+    def add_flag(self, keys: dict[Key, Any], arg: str, token: str | None, path: Key | None) -> None:
+        """Add one respelled flag; the last flag for a key wins (the library would append to a list, and
+        a None set here would win over a later `--ckpt.interval 2`)."""
+        if path is not None:
+            self.cli_sources[path] = arg.partition("=")[0]
+            self.cli_nulls = [p for p in self.cli_nulls if path[: len(p)] != p]
+            if _is_list(keys.get(path)):
+                self.cli = [t for t in self.cli if t.partition("=")[0] != _flag(path)]
+        if token is None:
+            self.cli_nulls.append(path)
+        else:
+            self.cli.append(token)
+
+
+def split_argv(keys: dict[Key, Any], argv: list[str]) -> ParsedArgv:
+    """Take out `@ file.toml`, `--section @ file.toml` and `--dry-run` (the library has no such syntax)
+    and respell our flags for the library's parser; everything else is left for that parser."""
+    parsed = ParsedArgv()
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg.startswith("@"):
+            if arg == "@":
+                if i >= len(argv):
+                    raise ConfigError("`@` must be followed by a TOML file path")
+                arg, i = "@" + argv[i], i + 1
+            parsed.toml_files.append((Path(arg[1:]), ()))
+        elif arg in ("--dry-run", "--dry_run"):
+            parsed.dry_run = True
+        elif arg.startswith("--") and "=" not in arg and i < len(argv) and argv[i] == "@":
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} @ must be followed by a TOML file path")
+            parsed.toml_files.append((Path(argv[i + 1]), _section(keys, arg[2:])))
+            i += 2
+        elif arg.startswith("--"):
+            token, path, i = _respell(keys, argv, i)
+            parsed.add_flag(keys, arg, token, path)
+        else:
+            parsed.cli.append(arg)
+    return parsed
+
+
+def _section(keys: dict[Key, Any], raw: str) -> Key:
+    """The section a `--section @ file.toml` loads into; anything else is an error."""
+    path = resolve_key(keys, raw)
+    if path is None or not _sections(keys.get(path)):
+        raise ConfigError(f"--{raw} @ FILE: `{raw}` is not a config section{suggest(keys, _split(raw))}")
+    return path
+
+
+def _flag_key(keys: dict[Key, Any], raw: str) -> tuple[Key | None, bool]:
+    """The key a flag names, and whether it is the `--no-` form (of a bool or an optional section)."""
+    path = resolve_key(keys, raw)
+    if path is None and re.match(r"no[-_]", raw):
+        negated = resolve_key(keys, raw[3:])
+        annotation = keys.get(negated) if negated else None
+        if negated and (_is_bool(annotation) or (_optional(annotation) and _sections(annotation))):
+            return negated, True
+    return path, False
+
+
+def _respell(keys: dict[Key, Any], argv: list[str], i: int) -> tuple[str | None, Key | None, int]:
+    """Rewrite our flag `argv[i - 1]` (with its value) into the one arg the library parses.
+
+    Returns (that arg or None when it sets its key to None, its key, index of the next unread arg). A flag
+    that is not ours stays as it is (key None): the library's parser answers `--help` and returns the others
+    as unknown.
+    """
+    raw, has_eq, value = argv[i - 1][2:].partition("=")
+    path, negated = _flag_key(keys, raw)
+    if path is None:
+        return argv[i - 1], None, i
+    if negated or _is_bool(keys.get(path)):
+        if not negated and not has_eq and i < len(argv) and argv[i].lower() in ("true", "false"):
+            value, has_eq, i = argv[i], True, i + 1
+        return _switch(keys, path, raw, negated, value if has_eq else None), path, i
+    if not has_eq and i < len(argv) and not argv[i].startswith("--"):
+        value, has_eq, i = argv[i], True, i + 1
+    return _with_value(keys, path, raw, value if has_eq else None), path, i
+
+
+def _flag(path: Key) -> str:
+    """The one spelling the library's parser registers (`cli_kebab_case`): `--model.max-model-len`."""
+    return "--" + ".".join(path).replace("_", "-")
+
+
+def _switch(keys: dict[Key, Any], path: Key, raw: str, negated: bool, value: str | None) -> str | None:
+    """`--flag`, `--flag false`, `--flag=yes`, `--no-flag` -> `--flag` / `--no-flag` (the library's
+    `cli_implicit_flags` take no value); `--no-ckpt` -> None (the library has no negated sections)."""
+    if value is not None and (negated or value.lower() not in ("true", "false", "1", "0", "yes", "no")):
+        raise ConfigError(f"--{raw} takes no value" if negated else f"--{raw}: expects true or false, got {value!r}")
+    if not _is_bool(keys[path]):
+        return None
+    on = not negated and (value is None or value.lower() in ("true", "1", "yes"))
+    return _flag(path) if on else f"--no-{_flag(path)[2:]}"
+
+
+def _with_value(keys: dict[Key, Any], path: Key, raw: str, value: str | None) -> str | None:
+    """`--model_name x` -> `--model.name=x` (joined: a value may start with `-`); `--env-args.k v` ->
+    `--env-args={"k": "v"}` (the library knows no keys below a dict field); `none`/`null` for an optional
+    key -> None (the library reads only `null`, and for a list not even that)."""
+    if path not in keys:
+        if value is None:
+            raise ConfigError(f"--{raw} needs a value")
+        n = max(n for n in range(len(path)) if path[:n] in keys)
+        return f"{_flag(path[:n])}={json.dumps(_nest(path[n:], value))}"
+    if value is not None and _optional(keys[path]) and value.lower() in ("none", "null"):
+        return None
+    if value is not None and _is_list(keys[path]) and not value.strip():
+        value = "[]"  # the library would read one empty item
+    return _flag(path) if value is None else f"{_flag(path)}={value}"
+
+
+def parse_cli(cls: type[BaseModel], prog: str, args: list[str]) -> tuple[dict, list[str]]:
+    """Parse our flags with pydantic-settings' CLI source; returns (nested values, the args it did not know).
+
+    `--help` prints the library's help (every key with its docstring and default) and exits 0.
+    """
+    unknown: list[str] = []
+
+    def parse_known_args(parser: Any, args: list[str]) -> Any:
+        namespace, rest = parser.parse_known_args(args)
+        unknown.extend(rest)
+        return namespace
+
+    source = CliSettingsSource(
+        cls,  # type: ignore[arg-type]  # a plain model (e.g. TinyModelConfig) parses just as well
+        cli_prog_name=prog,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_exit_on_error=False,
+        parse_args_method=parse_known_args,
+    )
+    source.root_parser.usage = f"{prog} [@ config.toml ...] [--section @ file.toml] [--key value ...] [--dry-run]"
+    try:
+        return source(args=args)(), unknown
+    except SettingsError as e:
+        raise ConfigError(str(e).removeprefix("error parsing CLI: ")) from None
+
+
+def passthrough_args(keys: dict[Key, Any], unknown: list[str], allowed: bool) -> list[str]:
+    """The args the parser did not know: flags for another program (with their values) when allowed, else an error."""
+    passthrough: list[str] = []
+    for arg in unknown:
+        if arg.startswith("--") and arg != "--":
+            raw = arg[2:].partition("=")[0]
+            if not allowed or ("." in raw and (_split(raw)[0],) in keys):  # a typo in one of our sections
+                raise ConfigError(f"unknown option --{raw}{suggest(keys, _split(raw))}")
+        elif not passthrough:  # only a foreign flag takes a value we do not know about
+            raise ConfigError(f"unexpected argument {arg!r}: options look like `--key value`, files like `@ file.toml`")
+        passthrough.append(arg)
+    return passthrough
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML layers, merged with the CLI values.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -190,27 +324,28 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def _nest(path: Key, value: Any) -> Any:
+    """`(a, b), v` -> `{a: {b: v}}`."""
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def _leaf_paths(data: dict, prefix: Key = ()) -> list[Key]:
     out = []
     for key, value in data.items():
-        path = prefix + (key,)
-        out.append(path)
+        out.append(prefix + (key,))
         if isinstance(value, dict):
-            out.extend(_leaf_paths(value, path))
+            out.extend(_leaf_paths(value, prefix + (key,)))
     return out
 
 
-def _set_path(data: dict, path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        child = data.get(key)
-        if not isinstance(child, dict):
-            child = data[key] = {}
-        data = child
-    data[path[-1]] = value
+def load_toml(path: Path, _stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Key, str]]:
+    """Read a TOML file with its `toml_files` includes; returns (data, source of every key).
 
-
-def load_toml(path: Path, _stack: tuple[Path, ...] = ()) -> tuple[dict, dict[tuple[str, ...], str]]:
-    """Read a TOML file with its `toml_files` includes; returns (data, source of every key)."""
+    Not pydantic-settings' `TomlConfigSettingsSource`: it skips a missing file silently, has no includes
+    and no section scoping, and forgets which file set a key.
+    """
     path = path.expanduser().resolve()
     if path in _stack:
         chain = " -> ".join(str(p) for p in _stack + (path,))
@@ -225,171 +360,36 @@ def load_toml(path: Path, _stack: tuple[Path, ...] = ()) -> tuple[dict, dict[tup
     if not isinstance(includes, list) or not all(isinstance(p, str) for p in includes):
         raise ConfigError(f"`{INCLUDE_KEY}` in {path} must be a list of paths")
     merged: dict = {}
-    sources: dict[tuple[str, ...], str] = {}
+    sources: dict[Key, str] = {}
     for include in includes:
         inc_data, inc_sources = load_toml(path.parent / include, _stack + (path,))
         merged = deep_merge(merged, inc_data)
         sources.update(inc_sources)
-    merged = deep_merge(merged, data)
     sources.update({p: str(path) for p in _leaf_paths(data)})
-    return merged, sources
+    return deep_merge(merged, data), sources
 
 
-def _parse_cli_value(info: FieldInfo, value: str, flag: str) -> Any:
-    kind = info.kind
-    if info.optional and value.lower() in ("none", "null"):
-        return None
-    if kind == "list":
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag}: not a valid JSON list: {e}") from None
-        return [item.strip() for item in text.split(",") if item.strip()]
-    if kind in ("dict", "section"):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag}: expects a JSON object, got {value!r} ({e})") from None
-        if not isinstance(parsed, dict):
-            raise ConfigError(f"{flag}: expects a JSON object, got {value!r}")
-        return parsed
-    if kind == "bool":
-        lowered = value.lower()
-        if lowered not in ("true", "false", "1", "0", "yes", "no"):
-            raise ConfigError(f"{flag}: expects true or false, got {value!r}")
-        return lowered in ("true", "1", "yes")
-    return value
-
-
-@dataclass
-class ParsedArgs:
-    """argv split into its layers."""
-
-    toml_files: list[tuple[Path, tuple[str, ...]]] = field(default_factory=list)  # (path, scope)
-    cli: dict = field(default_factory=dict)
-    cli_sources: dict[tuple[str, ...], str] = field(default_factory=dict)
-    passthrough: list[str] = field(default_factory=list)
-    dry_run: bool = False
-    help: bool = False
-
-
-def _is_ours(root: type[BaseModel], raw: str) -> bool:
-    """A flag that is not a key but looks like one of ours (typo in a section), not a foreign flag."""
-    first = raw.split(".")[0].replace("-", "_")
-    return "." in raw and first in _fields_of([root])
-
-
-def parse_argv(root: type[BaseModel], argv: list[str], allow_passthrough: bool = False) -> ParsedArgs:
-    """Split argv into TOML layers, our CLI values, and (optionally) flags for another program."""
-    parsed = ParsedArgs()
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "@" or (arg.startswith("@") and len(arg) > 1):
-            if arg == "@":
-                if i + 1 >= len(argv):
-                    raise ConfigError("`@` must be followed by a TOML file path")
-                parsed.toml_files.append((Path(argv[i + 1]), ()))
-                i += 2
-            else:
-                parsed.toml_files.append((Path(arg[1:]), ()))
-                i += 1
+def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
+    """`--optim.lr 0.1` overrides the default optimizer's lr: give partial tables of a tagged union
+    (e.g. `optim: AdamWConfig | SGDConfig`) the tag of the field's default when they do not name one.
+    (pydantic-settings' `nested_model_default_partial_update` would also keep the default's other keys,
+    which another member of the union refuses.)"""
+    for name, info in cls.model_fields.items():
+        value = data.get(name)
+        if not isinstance(value, dict):
             continue
-        if not arg.startswith("--") or arg == "--":
-            if allow_passthrough and parsed.passthrough:
-                parsed.passthrough.append(arg)  # value of the previous foreign flag
-                i += 1
-                continue
-            raise ConfigError(f"unexpected argument {arg!r}: options look like `--key value`, files like `@ file.toml`")
-        raw, has_eq, inline = arg[2:].partition("=")
-        if raw in ("dry-run", "dry_run"):
-            parsed.dry_run = True
-            i += 1
-            continue
-        if raw in ("help", "h"):
-            parsed.help = True
-            i += 1
-            continue
-        if not has_eq and i + 1 < len(argv) and argv[i + 1] == "@":
-            # `--trainer @ t.toml`: the file's contents go under the `trainer` section.
-            if i + 2 >= len(argv):
-                raise ConfigError(f"--{raw} @ must be followed by a TOML file path")
-            info = resolve_key(root, raw)
-            if info is None or not info.sections:
-                raise ConfigError(f"--{raw} @ FILE: `{raw}` is not a config section{suggest(root, _split(raw))}")
-            parsed.toml_files.append((Path(argv[i + 2]), info.path))
-            i += 3
-            continue
-
-        negated = False
-        info = resolve_key(root, raw)
-        if info is None and re.match(r"no[-_]", raw):
-            candidate = resolve_key(root, raw[3:])
-            if candidate is not None and (candidate.kind == "bool" or (candidate.sections and candidate.optional)):
-                info, negated = candidate, True
-        if info is None:
-            if allow_passthrough and not _is_ours(root, raw):
-                parsed.passthrough.append(arg)
-                i += 1
-                continue
-            raise ConfigError(f"unknown option --{raw}{suggest(root, _split(raw))}")
-        flag = f"--{raw}"
-        i += 1
-        if negated:
-            if has_eq:
-                raise ConfigError(f"{flag} takes no value")
-            value: Any = False if info.kind == "bool" else None
-        elif info.kind == "bool":
-            if has_eq:
-                value = _parse_cli_value(info, inline, flag)
-            elif i < len(argv) and argv[i].lower() in ("true", "false"):
-                value = argv[i].lower() == "true"
-                i += 1
-            else:
-                value = True
-        elif info.kind == "section" and not has_eq and (i >= len(argv) or argv[i].startswith("--") or argv[i] == "@"):
-            # A bare `--ckpt` enables an optional section with its defaults (keeps values set elsewhere).
-            value = {}
-        else:
-            if has_eq:
-                text = inline
-            elif i < len(argv) and not argv[i].startswith("--"):
-                text = argv[i]
-                i += 1
-            else:
-                raise ConfigError(f"{flag} needs a value")
-            value = _parse_cli_value(info, text, flag)
-        if isinstance(value, dict):
-            existing = _get_path(parsed.cli, info.path)
-            value = deep_merge(existing if isinstance(existing, dict) else {}, value)
-        _set_path(parsed.cli, info.path, value)
-        parsed.cli_sources[info.path] = flag
-        if isinstance(value, dict):
-            parsed.cli_sources.update({info.path + p: flag for p in _leaf_paths(value)})
-    return parsed
-
-
-def _split(raw: str) -> tuple[str, ...]:
-    return tuple(seg.replace("-", "_") for seg in raw.split("."))
-
-
-def _get_path(data: dict, path: tuple[str, ...]) -> Any:
-    for key in path:
-        if not isinstance(data, dict) or key not in data:
-            return None
-        data = data[key]
+        sections = _sections(info.annotation)
+        default = info.get_default(call_default_factory=True)
+        if len(sections) > 1 and isinstance(default, BaseModel) and "type" in type(default).model_fields:
+            value = {"type": default.type, **value}
+        if len(sections) > 1:  # recurse into the member the tag names
+            sections = [
+                m for m in sections if "type" in m.model_fields and m.model_fields["type"].default == value.get("type")
+            ]
+        if len(sections) == 1:
+            value = fill_discriminators(sections[0], value)
+        data = {**data, name: value}
     return data
-
-
-def _env_sources() -> dict[tuple[str, ...], str]:
-    out = {}
-    for name in os.environ:
-        if name.upper().startswith(ENV_PREFIX):
-            path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__"))
-            out[path] = f"environment variable {name}"
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,33 +397,42 @@ def _env_sources() -> dict[tuple[str, ...], str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _source_of(path: tuple[str, ...], sources: dict[tuple[str, ...], str]) -> str:
+def _env_sources() -> dict[Key, str]:
+    """The key each `PRIME_*` variable sets, to name it in an error (the library reads the values)."""
+    return {
+        tuple(part.lower() for part in name[len(ENV_PREFIX) :].split("__")): f"environment variable {name}"
+        for name in os.environ
+        if name.upper().startswith(ENV_PREFIX)
+    }
+
+
+def _source_of(path: Key, sources: dict[Key, str]) -> str:
     for n in range(len(path), 0, -1):
         if path[:n] in sources:
             return sources[path[:n]]
     return "defaults"
 
 
-def _clean_loc(root: type[BaseModel], loc: tuple) -> tuple[str, ...]:
-    """Drop pydantic's union-member tags (e.g. `AdamWConfig`) so the path reads as the user's key."""
-    out: list[str] = []
-    for part in loc:
-        part = str(part)
-        if _lookup(root, tuple(out) + (part,)) is None and _lookup(root, tuple(out)) is not None:
-            if part[:1].isupper() or part in ("function-after", "function-before", "function-wrap"):
-                continue
-        out.append(part)
-    return tuple(out)
+def _clean_loc(keys: dict[Key, Any], loc: tuple) -> Key:
+    """Drop the union member pydantic puts in an error location (`optim.sgd.betas` -> `optim.betas`)."""
+    out: Key = ()
+    for part in map(str, loc):
+        if len(_sections(keys.get(out))) > 1 and out + (part,) not in keys:
+            continue
+        out += (part,)
+    return out
 
 
-def format_validation_error(root: type[BaseModel], error: ValidationError, sources: dict) -> str:
+def format_validation_error(keys: dict[Key, Any], error: ValidationError, sources: dict[Key, str]) -> str:
+    """One line per problem: the dotted key, where its value came from, and the closest valid key."""
     lines = []
     for err in error.errors():
-        path = _clean_loc(root, err["loc"])
+        path = _clean_loc(keys, err["loc"])
         key = ".".join(path) or "(top level)"
         origin = _source_of(path, sources)
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key `{key}` (from {origin}){suggest(root, path)}")
+            hint = " (a key of another `type`)" if path in keys else suggest(keys, path)  # a union's other member
+            lines.append(f"unknown key `{key}` (from {origin}){hint}")
         elif err["type"] == "missing":
             lines.append(f"missing required key `{key}`")
         else:
@@ -438,45 +447,22 @@ def format_validation_error(root: type[BaseModel], error: ValidationError, sourc
 # ---------------------------------------------------------------------------------------------
 
 
-def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
-    """`--optim.lr 0.1` overrides the default optimizer's lr: give partial tables of a tagged union
-    (e.g. `optim: AdamWConfig | SGDConfig`) the tag of the field's default when they do not name one."""
-    for name, info in cls.model_fields.items():
-        value = data.get(name)
-        if not isinstance(value, dict):
-            continue
-        sections = _model_classes(info.annotation)
-        default = info.get_default(call_default_factory=True)
-        if len(sections) > 1 and isinstance(default, BaseModel) and "type" in type(default).model_fields:
-            if "type" not in value:
-                value = {"type": default.type, **value}
-        if len(sections) == 1:
-            value = fill_discriminators(sections[0], value)
-        elif tag_value := value.get("type"):
-            match = [m for m in sections if m.model_fields.get("type") and m.model_fields["type"].default == tag_value]
-            if match:
-                value = fill_discriminators(match[0], value)
-        data = {**data, name: value}
-    return data
-
-
-def build_config(cls: type[C], parsed: ParsedArgs) -> C:
-    """Merge the layers of `parsed` (plus the environment) and validate them into `cls`."""
+def build_config(cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: dict) -> C:
+    """Deep-merge the TOML files and the CLI values over them, then validate into `cls`; a settings
+    class reads the environment below these values itself (`EntrypointConfig`)."""
     data: dict = {}
-    sources: dict[tuple[str, ...], str] = {}
-    sources.update(_env_sources())
+    sources = _env_sources()
     for path, scope in parsed.toml_files:
         file_data, file_sources = load_toml(path)
-        for key in reversed(scope):
-            file_data = {key: file_data}
-        data = deep_merge(data, file_data)
+        data = deep_merge(data, _nest(scope, file_data))
         sources.update({scope + p: s for p, s in file_sources.items()})
-    data = fill_discriminators(cls, deep_merge(data, parsed.cli))
     sources.update(parsed.cli_sources)
+    for path in parsed.cli_nulls:
+        cli = deep_merge(cli, _nest(path, None))
     try:
-        return cls(**data)
+        return cls(**fill_discriminators(cls, deep_merge(data, cli)))
     except ValidationError as e:
-        raise ConfigError(format_validation_error(cls, e, sources)) from None
+        raise ConfigError(format_validation_error(keys, e, sources)) from None
 
 
 def to_toml(config: BaseModel) -> str:
@@ -491,36 +477,6 @@ def to_toml(config: BaseModel) -> str:
 
     data = config.model_dump(mode="json", exclude_none=True)
     return tomli_w.dumps(plain(data))
-
-
-def help_text(cls: type[BaseModel], prog: str) -> str:
-    lines = [f"usage: {prog} [@ config.toml ...] [--section @ file.toml] [--key value ...] [--dry-run]", ""]
-    for info in _walk([cls]):
-        descr = _description(cls, info.path)
-        if info.sections:
-            lines.append(
-                f"[{'.'.join(info.path)}]{' (optional: --' + '.'.join(info.path) + ' enables)' if info.optional else ''}  {descr}"
-            )
-        else:
-            lines.append(f"  --{'.'.join(info.path).replace('_', '-')}  {descr}")
-    return "\n".join(lines)
-
-
-def _description(root: type[BaseModel], path: tuple[str, ...]) -> str:
-    models: list[type[BaseModel]] = [root]
-    for name in path[:-1]:
-        models = _model_classes(_fields_of(models)[name])
-    for model in models:
-        if path[-1] in model.model_fields:
-            info = model.model_fields[path[-1]]
-            if info.is_required():
-                return f"{info.description or ''} [required]"
-            default = info.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel) or default is None or isinstance(default, SecretStr):
-                return info.description or ""
-            shown = str(default) if isinstance(default, Path) else repr(default)
-            return f"{info.description or ''} [default: {shown}]"
-    return ""
 
 
 def write_resolved_config(config: EntrypointConfig, entrypoint: str) -> Path:
@@ -541,22 +497,21 @@ def load_config(
     With `check_passthrough`, flags that are not ours are collected (e.g. for vLLM) and handed to it
     for validation (it raises `ConfigError`); they are returned beside the config.
     """
-    allow_passthrough = check_passthrough is not None
     argv = sys.argv[1:] if argv is None else argv
     try:
-        parsed = parse_argv(cls, argv, allow_passthrough)
-        if parsed.help:
-            print(help_text(cls, entrypoint))
-            sys.exit(0)
-        config = build_config(cls, parsed)
+        keys = config_keys(cls)
+        parsed = split_argv(keys, argv)
+        cli, unknown = parse_cli(cls, entrypoint, parsed.cli)
+        passthrough = passthrough_args(keys, unknown, allowed=check_passthrough is not None)
+        config = build_config(cls, keys, parsed, cli)
         if check_passthrough is not None:
-            check_passthrough(config, parsed.passthrough)
+            check_passthrough(config, passthrough)
     except ConfigError as e:
         print(f"{entrypoint}: error: {e}", file=sys.stderr)
         sys.exit(2)
     if parsed.dry_run:
         print(to_toml(config), end="")
-        if parsed.passthrough:
-            print(f"# passed through: {' '.join(parsed.passthrough)}")
+        if passthrough:
+            print(f"# passed through: {' '.join(passthrough)}")
         sys.exit(0)
-    return config, parsed.passthrough
+    return config, passthrough
