@@ -2,6 +2,8 @@
 logprob correctness against transformers, concurrency, bad input, and the verifiers train client."""
 
 import asyncio
+import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -275,3 +277,136 @@ def test_passthrough_vllm_flag_reached_the_engine(server):
     assert r.json()["data"][0]["max_model_len"] == 512
     resolved = tomllib.loads((server.output_dir / "configs" / "inference.toml").read_text())
     assert resolved["model"]["max_model_len"] == 512 and resolved["model"]["name"] == str(server.base)
+
+
+def short_error(r: httpx.Response, status: int) -> str:
+    """The reply has `status`, vLLM's error shape and a bounded size; returns its message."""
+    assert r.status_code == status, r.text[:500]
+    assert len(r.content) < 2000, f"{len(r.content)}-byte reply: {r.text[:200]}"
+    assert r.json()["error"]["code"] == status
+    return r.json()["error"]["message"]
+
+
+def test_fuzzed_admin_bodies_get_short_4xx_and_the_server_keeps_serving(tied_server):
+    """Found by fuzzing: nested JSON and unusable paths got a 500, big bodies a reply as big, malformed bodies 422."""
+    srv = tied_server
+    before = generate(srv, max_tokens=10)
+    root = str(srv.root)
+    nested = b"[" * 100_000
+    cases = [
+        ("update_weights", nested, 400),  # RecursionError in the parser: was a 500
+        ("reload_weights", nested, 400),  # same
+        ("update_weights", b'{"weight_dir": ' + b"{" * 100_000, 400),
+        ("update_weights", b"", 400),  # was 422, the README said 400
+        ("update_weights", b"[1, 2]", 400),  # was 422
+        ("update_weights", b"null", 400),  # was 422
+        ("reload_weights", b"[]", 400),  # was 422
+        ("update_weights", b"{}", 422),
+        ("reload_weights", b'{"x": 1}', 422),
+        ("update_weights", json.dumps({"weight_dir": "/x", "version": "v" * 300}).encode(), 422),
+        ("update_weights", json.dumps({"weight_dir": root + "/" + "a" * 300}).encode(), 400),  # ENAMETOOLONG: 500
+        ("update_weights", json.dumps({"weight_dir": root + "/a" * 3000}).encode(), 400),  # same
+        ("update_weights", json.dumps({"weight_dir": root + "/nul\x00"}).encode(), 400),  # ValueError: was a 500
+        ("update_weights", json.dumps({"weight_dir": "/etc/" + "x" * 900_000}).encode(), 403),  # echoed 900 kB
+        ("update_weights", json.dumps({"weight_dir": "/etc/" + "x" * 20_000_000}).encode(), 413),  # echoed 20 MB
+        ("reload_weights", b" " * 20_000_000, 413),
+    ]
+    for route, content, status in cases:
+        r = admin(srv, route, content=content)
+        assert r.status_code == status, (route, content[:60], r.status_code, r.text[:300])
+        short_error(r, status)
+    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+    assert generate(srv, max_tokens=10) == before  # same weights, same version, still serving
+
+
+def int32_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor stored as int32: the served model's names and shapes, another dtype."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = {name: t.to(torch.int32) for name, t in load_file(str(file)).items()}
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    return dst
+
+
+def test_weight_dir_with_another_dtype_gets_422(tied_server):
+    """It was loaded (int values converted to floats) and served as garbage until /reload_weights."""
+    srv = tied_server
+    before = generate(srv, max_tokens=10)
+    ints = int32_copy(srv.base, srv.root / "int32")
+    message = short_error(admin(srv, "update_weights", {"weight_dir": str(ints)}), 422)
+    assert "dtypes differ" in message and "I32" in message
+    assert generate(srv, max_tokens=10) == before
+
+
+def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_server):
+    """Load A, make loads of B fail inside vLLM (its index file is not JSON: our header checks pass it, vLLM's loader
+    raises), then delete A so the restore fails too. The server must then say so (503 on /health and generation)
+    and generate nothing on its unknown weights, and a successful load must heal it."""
+    srv = tied_server
+    assert admin(srv, "reload_weights").status_code == 200  # other tests may have left other weights
+    base_out = generate(srv, max_tokens=12)
+    a = shutil.copytree(srv.step_1, srv.root / "restore_a")
+    b = shutil.copytree(srv.base, srv.root / "bad_index")
+    (b / "model.safetensors.index.json").write_text("{not json")
+    health = f"{srv.url}/health"
+    try:
+        assert admin(srv, "update_weights", {"weight_dir": str(a), "version": "a"}).status_code == 200
+        a_out = generate(srv, max_tokens=12)
+        assert a_out["ids"] != base_out["ids"] and a_out["versions"][0]["version"] == "a"
+
+        # B fails inside vLLM, A is restored: 500, A's exact outputs under A's label, healthy.
+        message = short_error(admin(srv, "update_weights", {"weight_dir": str(b)}), 500)
+        assert "still serving a" in message and "Expecting property name" in message  # vLLM's json.load of the index
+        assert generate(srv, max_tokens=12) == a_out and httpx.get(health, timeout=10).status_code == 200
+
+        async def fail_with_a_request_in_flight():
+            body = {
+                "model": str(srv.base),
+                "token_ids": srv.prompt_ids,
+                "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True, "logprobs": 1},
+            }
+            async with httpx.AsyncClient(timeout=300, headers=srv.headers) as client:
+                in_flight = asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body))
+                await asyncio.sleep(1.0)
+                shutil.rmtree(a)  # the trainer pruned it
+                failed = await client.post(f"{srv.url}/update_weights", json={"weight_dir": str(b)})
+                state = {
+                    "failed": failed,
+                    "health": await client.get(health),
+                    "generate": await client.post(f"{srv.url}/inference/v1/generate", json=body),
+                    "completions": await client.post(
+                        f"{srv.url}/v1/completions", json={"model": str(srv.base), "prompt": "hi", "max_tokens": 2}
+                    ),
+                    "models": await client.get(f"{srv.url}/v1/models"),
+                }
+                await asyncio.sleep(1.0)
+                state["frozen"] = not in_flight.done()  # no token is generated on unknown weights
+                state["healed"] = await client.post(f"{srv.url}/reload_weights")
+                state["in_flight"] = await in_flight
+                return state
+
+        state = asyncio.run(fail_with_a_request_in_flight())
+        message = short_error(state["failed"], 503)
+        assert "restoring a" in message and "does not exist" in message
+        assert state["health"].status_code == 503, state["health"].text
+        assert state["health"].json()["status"] == "weights_unknown"
+        assert state["health"].json()["error"]["code"] == 503 and state["health"].json()["error"]["message"]
+        for route in ("generate", "completions", "models"):
+            assert "weights are unknown" in short_error(state[route], 503)
+        assert state["frozen"]
+        assert state["healed"].status_code == 200 and state["healed"].json()["version"] == "base"
+        # The request in flight resumed on the base weights: A's tokens, then base tokens, none unaccounted for.
+        choice = state["in_flight"].json()["choices"][0]
+        spans = choice["weight_versions"]
+        assert [s["version"] for s in spans] == ["a", "base"], spans
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+        assert len(choice["token_ids"]) == 400 and choice["finish_reason"] == "length"
+        assert httpx.get(health, timeout=10).status_code == 200
+    finally:
+        healed = admin(srv, "reload_weights")  # leave the shared server healthy and on base weights
+        shutil.rmtree(a, ignore_errors=True)
+        shutil.rmtree(b, ignore_errors=True)
+    assert healed.status_code == 200 and httpx.get(health, timeout=10).status_code == 200
+    assert generate(srv, max_tokens=12) == base_out

@@ -1,9 +1,12 @@
-"""Server-side pieces that need no engine: weight-dir checks, the generate-route rewrite, vLLM args."""
+"""Server-side pieces that need no engine: weight-dir checks, admin body parsing and replies, the weights-unknown
+gate, the generate-route rewrite, vLLM args."""
 
+import asyncio
 import json
 import logging
 import os
 import warnings
+from argparse import Namespace
 
 import pytest
 import torch
@@ -13,31 +16,54 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.plugin import GENERATE_PATH, GenerateLogprobTokens, rewrite_sse
-from prime_rl.inference.weights import WeightDirError, check_weight_dir, safetensors_shapes
+from prime_rl.inference.plugin import (
+    GENERATE_PATH,
+    MAX_BODY_BYTES,
+    BodyError,
+    GenerateLogprobTokens,
+    WeightsUnknownGate,
+    WeightSwapper,
+    parse_json_object,
+    rewrite_sse,
+    router,
+)
+from prime_rl.inference.weights import (
+    ECHO_CHARS,
+    TensorSpec,
+    WeightDirError,
+    check_weight_dir,
+    clip,
+    safetensors_shapes,
+    safetensors_specs,
+)
 
-EXPECTED = {"embed.weight": (10, 4), "norm.weight": (4,)}
+EXPECTED = {"embed.weight": TensorSpec("F32", (10, 4)), "norm.weight": TensorSpec("F32", (4,))}
+SHAPES = {name: spec.shape for name, spec in EXPECTED.items()}
 
 
-def make_dir(path, tensors):
+def make_dir(path, shapes, dtype=torch.float32):
     path.mkdir(parents=True)
-    save_file({k: torch.zeros(v) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    save_file({k: torch.zeros(v, dtype=dtype) for k, v in shapes.items()}, str(path / "model.safetensors"))
     return path
 
 
-def status_of(weight_dir, roots) -> int:
+def refusal(weight_dir, roots) -> WeightDirError:
     with pytest.raises(WeightDirError) as e:
         check_weight_dir(str(weight_dir), roots, EXPECTED)
     assert e.value.message
-    return e.value.status
+    return e.value
+
+
+def status_of(weight_dir, roots) -> int:
+    return refusal(weight_dir, roots).status
 
 
 def test_weight_dir_checks(tmp_path):
     root = tmp_path / "run"
-    good = make_dir(root / "good", EXPECTED)
+    good = make_dir(root / "good", SHAPES)
     assert check_weight_dir(str(good), [root], EXPECTED) == good.resolve()
-    assert safetensors_shapes(good) == EXPECTED
-    outside = make_dir(tmp_path / "outside", EXPECTED)
+    assert safetensors_shapes(good) == SHAPES and safetensors_specs(good) == EXPECTED
+    outside = make_dir(tmp_path / "outside", SHAPES)
     assert status_of(outside, [root]) == 403
     assert status_of(root / "good" / ".." / ".." / "outside", [root]) == 403  # no escaping via ..
     (root / "link").symlink_to(outside)
@@ -45,14 +71,210 @@ def test_weight_dir_checks(tmp_path):
     assert status_of(root / "missing", [root]) == 404
     assert status_of(good / "model.safetensors", [root]) == 400
     assert status_of("relative/dir", [root]) == 400
-    assert status_of(make_dir(root / "shape", {**EXPECTED, "norm.weight": (5,)}), [root]) == 422
-    assert status_of(make_dir(root / "extra", {**EXPECTED, "other": (1,)}), [root]) == 422
+    assert status_of(make_dir(root / "shape", {**SHAPES, "norm.weight": (5,)}), [root]) == 422
+    assert status_of(make_dir(root / "extra", {**SHAPES, "other": (1,)}), [root]) == 422
     assert status_of(make_dir(root / "fewer", {"embed.weight": (10, 4)}), [root]) == 422
     (root / "empty").mkdir()
     assert status_of(root / "empty", [root]) == 422
     (root / "corrupt").mkdir()
     (root / "corrupt" / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}")
     assert status_of(root / "corrupt", [root]) == 422
+    truncated = make_dir(root / "truncated", SHAPES)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-8])  # header promises more bytes than the file has
+    assert status_of(truncated, [root]) == 422
+
+
+def test_weight_dir_dtype_must_match_the_served_model(tmp_path):
+    """Right names and shapes in int32 were loaded (by value conversion) and served as garbage."""
+    root = tmp_path / "run"
+    ints = refusal(make_dir(root / "int32", SHAPES, dtype=torch.int32), [root])
+    assert ints.status == 422 and "I32 != F32" in ints.message
+    # Other float dtypes load by value conversion, as the trainer's bf16/fp32 exports do.
+    bf16 = make_dir(root / "bf16", SHAPES, dtype=torch.bfloat16)
+    assert check_weight_dir(str(bf16), [root], EXPECTED) == bf16.resolve()
+    int_base = {"embed.weight": TensorSpec("I64", (10, 4)), "norm.weight": TensorSpec("F32", (4,))}
+    with pytest.raises(WeightDirError) as e:
+        check_weight_dir(str(bf16), [root], int_base)  # a float where the model stores integers
+    assert e.value.status == 422
+
+
+def test_weight_dir_tensor_stored_twice_is_refused(tmp_path):
+    """vLLM would load it twice, and its layerwise reload would take the layer as complete too early."""
+    root = tmp_path / "run"
+    twice = make_dir(root / "twice", SHAPES)
+    save_file({"norm.weight": torch.zeros(4)}, str(twice / "model-extra.safetensors"))
+    assert status_of(twice, [root]) == 422
+
+
+def test_unusable_paths_get_400_and_replies_stay_short(tmp_path):
+    """These raised OSError/ValueError/RuntimeError out of the check (a 500), echoing the whole path."""
+    root = tmp_path / "run"
+    root.mkdir()
+    long_name = refusal(root / ("a" * 300), [root])  # a component over NAME_MAX
+    assert long_name.status == 400 and "File name too long" in long_name.message
+    assert len(long_name.message) < 2 * ECHO_CHARS + 100
+    assert status_of(str(root) + "/a" * 3000, [root]) == 400  # a path over PATH_MAX
+    assert status_of(f"{root}/nul\x00byte", [root]) == 400
+    (root / "loop1").symlink_to(root / "loop2")
+    (root / "loop2").symlink_to(root / "loop1")
+    assert status_of(root / "loop1", [root]) == 400
+    huge = refusal("/elsewhere/" + "x" * 5_000_000, [root])
+    assert huge.status == 403 and len(huge.message) < 2 * ECHO_CHARS + 100
+
+
+def test_clip():
+    assert clip("short") == "short"
+    assert clip("x" * 1000) == "x" * ECHO_CHARS + "...(1000 chars)"
+
+
+@pytest.mark.parametrize(
+    ("raw", "empty_ok", "expected"),
+    [
+        (b'{"weight_dir": "/x"}', False, {"weight_dir": "/x"}),
+        (b"", True, {}),
+        (b"  \n", True, {}),
+        (b"{}", True, {}),
+        (b"", False, 400),
+        (b"{not json", False, 400),
+        (b"[1, 2]", False, 400),  # valid JSON, not an object
+        (b'"/x"', False, 400),
+        (b"null", True, 400),
+        (b"5", False, 400),
+        (b"[" * 100_000 + b"]" * 100_000, False, 400),  # RecursionError in the parser: was a 500
+        (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, True, 400),
+        (b'{"weight_dir": "\xff\xfe"}', False, 400),  # not UTF-8
+        (b'{"version": ' + b"9" * 5000 + b"}", False, 400),  # over Python's int digit limit
+    ],
+)
+def test_parse_json_object(raw, empty_ok, expected):
+    if isinstance(expected, dict):
+        assert parse_json_object(raw, empty_ok=empty_ok) == expected
+        return
+    with pytest.raises(BodyError) as e:
+        parse_json_object(raw, empty_ok=empty_ok)
+    assert e.value.status == expected and len(e.value.message) < 2 * ECHO_CHARS + 100
+
+
+class FakeEngine:
+    """Stands in for vLLM's engine client in the swapper's state machine (the real one: integration tests)."""
+
+    def __init__(self, failing: set[str] = frozenset()):
+        self.failing = set(failing)
+        self.calls: list[tuple] = []
+        self.paused = False
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append((method, *args))
+        if args[0] in self.failing:
+            raise RuntimeError(f"cannot load {args[0]}")
+
+    async def pause_generation(self, mode, clear_cache):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests):
+        pass
+
+    async def update_weight_version(self, version):
+        self.calls.append(("version", version))
+
+
+def admin_app(tmp_path, engine=None, api_key=None) -> tuple[TestClient, WeightSwapper]:
+    """Our router and gate on a bare FastAPI app, with a swapper over a real base directory."""
+    base = make_dir(tmp_path / "base", SHAPES)
+    app = FastAPI()
+    app.include_router(router)
+    app.add_middleware(WeightsUnknownGate)
+    app.add_api_route("/health", lambda: JSONResponse({}), methods=["GET"])
+    app.add_api_route("/v1/completions", lambda: JSONResponse({"ok": 1}), methods=["POST"])
+    app.state.args = Namespace(api_key=[api_key] if api_key else None)
+    app.state.prime_swapper = WeightSwapper(engine or FakeEngine(), base, [tmp_path])
+    return TestClient(app), app.state.prime_swapper
+
+
+def test_admin_bodies_get_documented_4xx_with_short_replies(tmp_path):
+    client, _ = admin_app(tmp_path)
+    cases = [
+        ("update_weights", b"", 400),  # was 422
+        ("update_weights", b"[1, 2]", 400),  # was 422
+        ("update_weights", b'"/x"', 400),
+        ("update_weights", b"[" * 50_000, 400),  # was a 500 (RecursionError)
+        ("reload_weights", b"[" * 50_000, 400),  # was a 500 (RecursionError)
+        ("reload_weights", b"null", 400),
+        ("reload_weights", b"[]", 400),
+        ("update_weights", b"{}", 422),
+        ("update_weights", b'{"weight_dir": 5}', 422),
+        ("update_weights", json.dumps({"weight_dir": "/x", "v" * 100_000: 1}).encode(), 422),
+        ("update_weights", json.dumps({"weight_dir": "/x", "version": "v" * 257}).encode(), 422),
+        ("reload_weights", b'{"x": 1}', 422),
+        ("update_weights", json.dumps({"weight_dir": "/etc/" + "x" * 500_000}).encode(), 403),  # echoed it all
+        ("update_weights", json.dumps({"weight_dir": "rel/" + "x" * 500_000}).encode(), 400),  # echoed it all
+        ("update_weights", json.dumps({"weight_dir": str(tmp_path / ("a" * 300))}).encode(), 400),  # was a 500
+        ("update_weights", b" " * (MAX_BODY_BYTES + 1), 413),
+        ("reload_weights", json.dumps({"weight_dir": "x" * 20_000_000}).encode(), 413),
+    ]
+    for route, content, status in cases:
+        r = client.post(f"/{route}", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == status, (route, content[:80], r.text[:300])
+        assert r.json()["error"]["code"] == status and len(r.content) < 1000, r.text[:300]
+
+
+def test_streamed_body_over_the_limit_gets_413(tmp_path):
+    client, _ = admin_app(tmp_path)
+    chunks = (b" " * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))  # no content-length: read until the cap
+    assert client.post("/update_weights", content=chunks).status_code == 413
+
+
+def test_admin_key_is_checked_before_the_body(tmp_path):
+    client, _ = admin_app(tmp_path, api_key="k")
+    assert client.post("/update_weights", content=b"x" * (MAX_BODY_BYTES + 1)).status_code == 401
+    assert client.post("/reload_weights", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_path):
+    base_ok = tmp_path / "base"
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    good = make_dir(tmp_path / "good", SHAPES)
+    bad = make_dir(tmp_path / "bad", SHAPES)
+    assert client.post("/update_weights", json={"weight_dir": str(good)}).json()["version"] == "good"
+
+    # The load fails, the restore works: 500, same weights and label, still healthy.
+    engine.failing = {str(bad)}
+    r = client.post("/update_weights", json={"weight_dir": str(bad)})
+    assert r.status_code == 500 and "still serving good" in r.json()["error"]["message"]
+    assert engine.calls[-2:] == [("prime_load_weights", str(good)), ("version", "good")]
+    assert client.get("/health").status_code == 200 and not engine.paused
+
+    # The load fails and so does the restore: 503 everywhere but the admin routes, generation stays paused.
+    engine.failing = {str(bad), str(good)}
+    r = client.post("/update_weights", json={"weight_dir": str(bad)})
+    assert r.status_code == 503, r.text
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "weights_unknown"
+    assert health.json()["error"]["code"] == 503 and "restoring good" in health.json()["error"]["message"]
+    assert client.post("/v1/completions").status_code == 503 and engine.paused
+    # A failure while unknown restores nothing (there are no good weights to go back to).
+    calls = len(engine.calls)
+    assert client.post("/update_weights", json={"weight_dir": str(bad)}).status_code == 503
+    assert engine.calls[calls:] == [("prime_load_weights", str(bad))]
+
+    # A successful load heals: new weights, their label, generation resumed.
+    r = client.post("/reload_weights")
+    assert r.status_code == 200 and r.json()["version"] == "base"
+    assert engine.calls[-2:] == [("prime_load_weights", str(base_ok)), ("version", "base")]
+    assert client.get("/health").status_code == 200 and client.post("/v1/completions").json() == {"ok": 1}
+    assert not engine.paused and swapper.unknown is None
+
+
+def test_weights_unknown_gate_ignores_lifespan_and_missing_state():
+    async def app(scope, receive, send):
+        pass
+
+    asyncio.run(WeightsUnknownGate(app)({"type": "lifespan"}, None, None))  # no app, no state: passes through
 
 
 GENERATE_BODY = {

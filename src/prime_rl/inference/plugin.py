@@ -1,10 +1,11 @@
-"""vLLM endpoint plugin: admin routes to swap weights in place, and the generate-route logprob fix.
+"""vLLM endpoint plugin: admin routes to swap weights in place, the generate-route logprob fix, and the
+503 gate for weights that failed to load.
 
 Loaded by vLLM's API server when `VLLM_PLUGINS` names `prime_rl` (the `inference` entry point sets
 it). Routes:
   POST /update_weights {"weight_dir": str, "version": str?} -> {"status", "version", "seconds"}
-  POST /reload_weights {}                                   -> back to the base model
-Both need the server's API key when one is configured.
+  POST /reload_weights (empty body or {})                   -> back to the base model
+Both need the server's API key when one is configured. Status codes: see README "Swapping weights by hand".
 """
 
 from __future__ import annotations
@@ -22,38 +23,63 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from loguru import logger
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prime_rl.inference.weights import WeightDirError, check_weight_dir, safetensors_shapes
+from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
 
 BASE_VERSION = "base"
 GENERATE_PATH = "/inference/v1/generate"
+MAX_BODY_BYTES = 1 << 20
+"""Admin request bodies above 1 MiB are refused (413) before they are parsed."""
+MAX_VERSION_CHARS = 256
+"""A version label is echoed in every generate reply, so it is bounded."""
+WEIGHTS_UNKNOWN = "weights_unknown"
+"""`/health` status while a failed load could not be undone (see `WeightSwapper`)."""
+GATED_PREFIXES = ("/v1/", "/inference/")
 
 
 class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight_dir: str
-    """Absolute path of a directory of HF safetensors with the served model's tensor names and shapes."""
-    version: str | None = None
+    """Absolute path of a directory of HF safetensors with the served model's tensor names, shapes and dtypes."""
+    version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
     """Policy version reported per token by /inference/v1/generate; default: the directory's name."""
+
+
+class ReloadWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WeightsUnknownError(Exception):
+    """A load failed and the previous weights could not be restored: what the engine holds is unknown."""
 
 
 class WeightSwapper:
     """Swaps the served weights one at a time, keeping in-flight requests.
 
-    Sequence per swap: pause (requests stay queued) -> reload in place on every worker -> reset the
-    prefix cache (cached KV was computed by the old weights) -> set the version -> resume.
+    Sequence per swap: pause (requests stay queued) -> reload in place on every worker -> set the version ->
+    reset the prefix cache (cached KV was computed by the old weights) -> resume.
+
+    A failed load may leave some layers new and some old, so the last good weights are loaded again. If that
+    fails too (their directory was pruned meanwhile, say), `unknown` says why and the engine stays paused:
+    no token is generated on unknown weights, `WeightsUnknownGate` answers 503 until a load succeeds, and
+    requests in flight continue on the next weights that load.
     """
 
     def __init__(self, engine_client: Any, base_dir: Path, roots: list[Path]):
         self.engine = engine_client
         self.base_dir = base_dir
         self.roots = roots
-        self.expected_shapes = safetensors_shapes(base_dir)
+        self.expected = safetensors_specs(base_dir)
         self.current_dir = base_dir
         self.version = BASE_VERSION
+        self.unknown: str | None = None
         self.lock = asyncio.Lock()
+
+    async def _load(self, weight_dir: Path, version: str) -> None:
+        await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
+        await self.engine.update_weight_version(version)
 
     async def swap(self, weight_dir: Path, version: str) -> float:
         async with self.lock:
@@ -61,25 +87,37 @@ class WeightSwapper:
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
-                except Exception:
-                    # A failed load may leave some layers new and some old: go back to the last good weights.
-                    logger.exception(f"loading {weight_dir} failed; restoring {self.current_dir}")
-                    await self.engine.collective_rpc("prime_load_weights", args=(str(self.current_dir),))
+                    await self._load(weight_dir, version)
+                except Exception as e:
+                    logger.exception(f"loading {weight_dir} failed")
+                    await self._restore(e)
                     raise
                 finally:
                     await self.engine.reset_prefix_cache(reset_running_requests=True)
-                await self.engine.update_weight_version(version)
-                self.current_dir, self.version = weight_dir, version
+                self.current_dir, self.version, self.unknown = weight_dir, version, None
             finally:
-                await self.engine.resume_generation()
+                if self.unknown is None:
+                    await self.engine.resume_generation()
             seconds = time.perf_counter() - start
             logger.info(f"serving weights {version} from {weight_dir} (swap took {seconds:.3f}s)")
             return seconds
 
+    async def _restore(self, load_error: Exception) -> None:
+        """Reload the last good weights after a failed load; raises `WeightsUnknownError` if that is impossible."""
+        if self.unknown is None:
+            try:
+                await self._load(self.current_dir, self.version)
+                logger.warning(f"restored {self.version} from {self.current_dir}")
+                return
+            except Exception as e:
+                logger.exception(f"restoring {self.current_dir} failed too: the served weights are unknown")
+                self.unknown = f"restoring {self.version} from {self.current_dir} failed ({clip(e)})"
+        raise WeightsUnknownError(f"loading failed ({clip(load_error)}); {clip(self.unknown, 1000)}") from load_error
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+def _error(code: int, message: str, **extra: Any) -> JSONResponse:
+    """vLLM's error shape; `extra` adds top-level fields (the 503 `/health` reply's `status`)."""
+    return JSONResponse(status_code=code, content={**extra, "error": {"message": clip(message, 2000), "code": code}})
 
 
 def _authorized(request: Request) -> bool:
@@ -95,14 +133,75 @@ def _authorized(request: Request) -> bool:
     return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
 
 
-async def _json_body(request: Request) -> tuple[Any, JSONResponse | None]:
-    raw = await request.body()
+class BodyError(Exception):
+    """An admin request body refused before validation (413 too large, 400 not a JSON object)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refusing more than `limit` bytes (declared or streamed) without buffering them."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyError(413, f"request body exceeds the limit of {limit} bytes")
+    return bytes(body)
+
+
+def parse_json_object(raw: bytes, empty_ok: bool = False) -> dict:
+    """The body as a JSON object; `BodyError(400)` for anything that is not one (empty only if `empty_ok`)."""
     if not raw.strip():
-        return {}, None
+        if empty_ok:
+            return {}
+        raise BodyError(400, "request body is empty; expected a JSON object")
     try:
-        return json.loads(raw), None
-    except json.JSONDecodeError as e:
-        return None, _error(400, f"request body is not valid JSON: {e}")
+        body = json.loads(raw)
+    except RecursionError:
+        raise BodyError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, invalid UTF-8, integers over the digit limit
+        raise BodyError(400, f"request body is not valid JSON: {clip(e)}") from None
+    if not isinstance(body, dict):
+        raise BodyError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def validation_message(e: ValidationError, count: int = 5) -> str:
+    """Pydantic's problems without the offending input, at most `count` of them, field names clipped."""
+    errors = e.errors(include_url=False, include_input=False)
+    problems = [f"{clip('.'.join(map(str, x['loc'])) or 'body', 100)}: {x['msg']}" for x in errors[:count]]
+    more = f" (+{len(errors) - count} more)" if len(errors) > count else ""
+    return f"invalid request: {'; '.join(problems)}{more}"
+
+
+async def _parse(request: Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel | JSONResponse:
+    """Authorize, read, parse and validate an admin request; a JSONResponse is the error reply."""
+    if not _authorized(request):
+        return _error(401, "missing or wrong API key")
+    try:
+        body = parse_json_object(await read_body(request), empty_ok=empty_ok)
+    except BodyError as e:
+        return _error(e.status, e.message)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        return _error(422, validation_message(e))
+
+
+async def _swap(swapper: WeightSwapper, path: Path, version: str) -> JSONResponse:
+    try:
+        seconds = await swapper.swap(path, version)
+    except WeightsUnknownError as e:
+        return _error(503, f"{e}; serving nothing until a load succeeds")
+    except Exception as e:
+        return _error(500, f"loading {path} failed ({clip(e)}); still serving {swapper.version}")
+    return JSONResponse({"status": "ok", "version": version, "seconds": round(seconds, 4)})
 
 
 router = APIRouter()
@@ -110,44 +209,47 @@ router = APIRouter()
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> JSONResponse:
-    if not _authorized(request):
-        return _error(401, "missing or wrong API key")
-    body, err = await _json_body(request)
-    if err is not None:
-        return err
-    try:
-        req = UpdateWeightsRequest.model_validate(body)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in e.errors())
-        return _error(422, f"invalid request: {problems}")
+    req = await _parse(request, UpdateWeightsRequest)
+    if isinstance(req, JSONResponse):
+        return req
     swapper: WeightSwapper = request.app.state.prime_swapper
     try:
-        path = await asyncio.to_thread(check_weight_dir, req.weight_dir, swapper.roots, swapper.expected_shapes)
+        path = await asyncio.to_thread(check_weight_dir, req.weight_dir, swapper.roots, swapper.expected)
     except WeightDirError as e:
         return _error(e.status, e.message)
-    version = req.version or path.name
-    try:
-        seconds = await swapper.swap(path, version)
-    except Exception as e:
-        return _error(500, f"loading {path} failed ({e}); still serving {swapper.version}")
-    return JSONResponse({"status": "ok", "version": version, "seconds": round(seconds, 4)})
+    return await _swap(swapper, path, req.version or path.name)
 
 
 @router.post("/reload_weights")
 async def reload_weights(request: Request) -> JSONResponse:
-    if not _authorized(request):
-        return _error(401, "missing or wrong API key")
-    body, err = await _json_body(request)
-    if err is not None:
-        return err
-    if body not in ({}, None):
-        return _error(422, "reload_weights takes an empty body")
+    req = await _parse(request, ReloadWeightsRequest, empty_ok=True)
+    if isinstance(req, JSONResponse):
+        return req
     swapper: WeightSwapper = request.app.state.prime_swapper
-    try:
-        seconds = await swapper.swap(swapper.base_dir, BASE_VERSION)
-    except Exception as e:
-        return _error(500, f"reloading the base weights failed: {e}")
-    return JSONResponse({"status": "ok", "version": BASE_VERSION, "seconds": round(seconds, 4)})
+    return await _swap(swapper, swapper.base_dir, BASE_VERSION)
+
+
+class WeightsUnknownGate:
+    """Pure-ASGI middleware: while `WeightSwapper.unknown` is set, `/health` and the generation routes
+    (`/v1/...`, `/inference/...`) answer 503, so the orchestrator sees the server as down and recovers it;
+    the admin routes stay open for that."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        swapper = getattr(getattr(scope.get("app"), "state", None), "prime_swapper", None)
+        reason = getattr(swapper, "unknown", None) if scope["type"] == "http" else None
+        if reason is not None:
+            message = f"the served weights are unknown: {reason}; a successful /update_weights or /reload_weights heals"
+            path = scope["path"]
+            if path == "/health":
+                await _error(503, message, status=WEIGHTS_UNKNOWN)(scope, receive, send)
+                return
+            if path.startswith(GATED_PREFIXES):
+                await _error(503, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _add_token_strings(payload: Any) -> Any:
@@ -239,6 +341,7 @@ class PrimeRLEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
         app.add_middleware(GenerateLogprobTokens)
+        app.add_middleware(WeightsUnknownGate)  # added last: outermost of ours
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         base_dir = resolve_model_dir(args.model)

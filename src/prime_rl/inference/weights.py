@@ -4,8 +4,15 @@ Everything here reads safetensors headers only (no tensor data), so a check cost
 """
 
 from pathlib import Path
+from typing import NamedTuple
 
 from safetensors import safe_open
+
+ECHO_CHARS = 200
+"""Error messages quote at most this many characters of any one value taken from a request or a file."""
+
+# Float dtypes the loader converts into the served dtype by value (the trainer may publish any of them).
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 class WeightDirError(Exception):
@@ -17,17 +24,43 @@ class WeightDirError(Exception):
         self.message = message
 
 
-def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every `*.safetensors` file in `model_dir` (headers only)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+class TensorSpec(NamedTuple):
+    dtype: str
+    """safetensors header dtype: "BF16", "F32", "I32", ..."""
+    shape: tuple[int, ...]
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """`str(value)` cut to `limit` characters, so an error reply never echoes unbounded input."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+def safetensors_specs(model_dir: Path) -> dict[str, TensorSpec]:
+    """Tensor name -> (dtype, shape) over every `*.safetensors` file in `model_dir` (headers only).
+
+    A name stored in two files is refused: vLLM would load it twice, which its layerwise reload counts as
+    a complete layer before the layer's other tensors arrived.
+    """
+    specs: dict[str, TensorSpec] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        except Exception as e:  # safetensors raises several types for a corrupt header
-            raise WeightDirError(422, f"{file} is not a readable safetensors file: {e}") from None
-    return shapes
+                    if name in specs:
+                        raise WeightDirError(422, f"tensor {clip(name)} is stored twice (again in {file.name})")
+                    sliced = f.get_slice(name)
+                    specs[name] = TensorSpec(sliced.get_dtype(), tuple(sliced.get_shape()))
+        except WeightDirError:
+            raise
+        except Exception as e:  # safetensors raises several types for a corrupt or truncated file
+            raise WeightDirError(422, f"{clip(file)} is not a readable safetensors file: {clip(e)}") from None
+    return specs
+
+
+def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every `*.safetensors` file in `model_dir` (headers only)."""
+    return {name: spec.shape for name, spec in safetensors_specs(model_dir).items()}
 
 
 def is_under(path: Path, roots: list[Path]) -> bool:
@@ -36,31 +69,59 @@ def is_under(path: Path, roots: list[Path]) -> bool:
     return any(resolved.is_relative_to(Path(root).resolve()) for root in roots)
 
 
-def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, tuple[int, ...]]) -> Path:
+def dtypes_compatible(got: str, expected: str) -> bool:
+    """Same dtype, or two float dtypes (loaded by value conversion); an int32 tensor for a bf16 weight is not."""
+    return got == expected or (got in FLOAT_DTYPES and expected in FLOAT_DTYPES)
+
+
+def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, TensorSpec]) -> Path:
     """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`.
 
-    The root check comes first so nothing about paths outside the allowed roots is revealed.
+    The root check comes first so nothing about paths outside the allowed roots is revealed. A path the
+    file system cannot even look up (a component over NAME_MAX, a NUL byte, a symlink loop) is a 400, not
+    an exception escaping to a 500.
     """
-    path = Path(weight_dir).expanduser()
-    if not path.is_absolute():
-        raise WeightDirError(400, f"weight_dir must be an absolute path, got {weight_dir!r}")
-    if not is_under(path, roots):
-        allowed = ", ".join(str(r) for r in roots)
-        raise WeightDirError(403, f"weight_dir {weight_dir} is outside the allowed roots ({allowed})")
-    if not path.exists():
-        raise WeightDirError(404, f"weight_dir {weight_dir} does not exist")
-    if not path.is_dir():
-        raise WeightDirError(400, f"weight_dir {weight_dir} is not a directory")
-    shapes = safetensors_shapes(path)
-    if not shapes:
-        raise WeightDirError(422, f"weight_dir {weight_dir} holds no *.safetensors files")
-    unknown = sorted(set(shapes) - set(expected))
+    shown = clip(weight_dir)
+    try:
+        path = Path(weight_dir)
+        if not path.is_absolute():
+            raise WeightDirError(400, f"weight_dir must be an absolute path, got {shown!r}")
+        if not is_under(path, roots):
+            allowed = ", ".join(str(r) for r in roots)
+            raise WeightDirError(403, f"weight_dir {shown} is outside the allowed roots ({allowed})")
+        if not path.exists():
+            raise WeightDirError(404, f"weight_dir {shown} does not exist")
+        if not path.is_dir():
+            raise WeightDirError(400, f"weight_dir {shown} is not a directory")
+        resolved = path.resolve()
+        specs = safetensors_specs(resolved)
+    except (OSError, ValueError, RuntimeError) as e:  # ENAMETOOLONG, "embedded null byte", "Symlink loop"
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise WeightDirError(400, f"weight_dir {shown} is not a usable path ({reason})") from None
+    if not specs:
+        raise WeightDirError(422, f"weight_dir {shown} holds no *.safetensors files")
+    unknown = sorted(set(specs) - set(expected))
     if unknown:
-        raise WeightDirError(422, f"weight_dir has tensors the served model does not: {unknown[:5]}")
-    missing = sorted(set(expected) - set(shapes))
+        raise WeightDirError(422, f"weight_dir has tensors the served model does not: {names(unknown)}")
+    missing = sorted(set(expected) - set(specs))
     if missing:
-        raise WeightDirError(422, f"weight_dir lacks tensors of the served model: {missing[:5]}")
-    wrong = [f"{n}: {shapes[n]} != {expected[n]}" for n in sorted(shapes) if shapes[n] != expected[n]]
+        raise WeightDirError(422, f"weight_dir lacks tensors of the served model: {names(missing)}")
+    wrong = [
+        f"{n}: {specs[n].shape} != {expected[n].shape}" for n in sorted(specs) if specs[n].shape != expected[n].shape
+    ]
     if wrong:
-        raise WeightDirError(422, f"weight_dir tensor shapes differ from the served model: {wrong[:5]}")
-    return path.resolve()
+        raise WeightDirError(422, f"weight_dir tensor shapes differ from the served model: {names(wrong)}")
+    wrong = [
+        f"{n}: {specs[n].dtype} != {expected[n].dtype}"
+        for n in sorted(specs)
+        if not dtypes_compatible(specs[n].dtype, expected[n].dtype)
+    ]
+    if wrong:
+        raise WeightDirError(422, f"weight_dir tensor dtypes differ from the served model: {names(wrong)}")
+    return resolved
+
+
+def names(items: list[str], count: int = 5) -> str:
+    """The first `count` items, each clipped, for an error message."""
+    shown = ", ".join(clip(x, 120) for x in items[:count])
+    return shown + (f" (+{len(items) - count} more)" if len(items) > count else "")
