@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow
 # maxima are ~0.01-0.02 (see the closing note). 0.05 leaves room without hiding a wrong-weights bug,
 # which moves logprobs by > 0.5 here (base vs perturbed weights).
 LOGPROB_ATOL = 0.05
+# The swapped-in weights are the base plus noise of scale 8, so activations (and bf16's absolute error) are larger:
+# measured up to 0.054 on an AVX2-only AMD EPYC (vLLM's CPU bf16 kernels differ by ISA; ~0.02 where AMX is), still
+# well below the > 0.5 gap between the base and the perturbed weights' logprobs asserted next to it.
+PERTURBED_ATOL = 0.08
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
@@ -106,12 +110,12 @@ def test_swap_changes_output_matches_transformers_and_reload_restores(server):
         sampled = generate(server, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
         new_ref = hf_logprobs(server.step_1, server.prompt_ids, sampled["ids"])
         old_ref = hf_logprobs(server.base, server.prompt_ids, sampled["ids"])
-        assert torch.allclose(torch.tensor(sampled["logprobs"]), new_ref, atol=LOGPROB_ATOL)
+        assert torch.allclose(torch.tensor(sampled["logprobs"]), new_ref, atol=PERTURBED_ATOL)
         print(
             f"max |vLLM - transformers fp32| logprob after swap: {(torch.tensor(sampled['logprobs']) - new_ref).abs().max():.4f}"
         )
         # The check can tell old from new weights: the base model's logprobs are far off.
-        assert (torch.tensor(sampled["logprobs"]) - old_ref).abs().max() > 10 * LOGPROB_ATOL
+        assert (torch.tensor(sampled["logprobs"]) - old_ref).abs().max() > 0.5
     finally:
         r = admin(server, "reload_weights")
     assert r.status_code == 200 and r.json()["version"] == "base"
