@@ -185,7 +185,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     assert max_diff < LOGPROB_ATOL
 
 
-FLAKY_MIX = '[{"id": "reverse-text", "ratio": 1}, {"id": "vf-flaky-env", "ratio": 1}]'
+FLAKY_MIX = '[{"id": "reverse-text", "ratio": 1}, {"id": "vf-flaky-env", "ratio": 1, "args": {"per_rollout": true}}]'
 
 
 def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int, before_publish=None) -> threading.Thread:
@@ -222,8 +222,9 @@ def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
 def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k):
     """A stand-in trainer publishes pi_n one second after batch n appears. Batch n never contains a token from a
     policy older than n-1-k; with k=0 every token comes from exactly pi_{n-1}. 8 steps, so the bound is active on
-    batches k+2..8 (n-1-k > 0), and half the tasks' rewards raise (vf-flaky-env), so batches keep losing rollouts:
-    at k=0 that used to deadlock (a short batch waited for a group only a policy that could not exist allowed)."""
+    batches k+2..8 (n-1-k > 0), and the reward raises on about half the rollouts of the vf-flaky-env groups, so
+    groups arrive short of rollouts: at k=0 that used to deadlock (a batch short of a rollout or two waited for a
+    group that only a policy which could not exist yet would have allowed)."""
     srv = tied_server
     out = srv.root / "runs" / f"async_k{k}"
     steps = 8
@@ -390,3 +391,32 @@ def test_server_down_during_a_weight_swap(tied_server):
     assert "back, serving policy step 1" in log
     for n in (2, 3):
         assert {tuple(s.policy_versions) for s in read_batch(batch_path(out, n)).samples} == {(n - 1,)}
+
+
+def test_rollouts_all_longer_than_seq_len_end_the_run_naming_the_cause(tied_server):
+    """seq_len leaves the prompts 3 tokens for the reply (the preflight only refuses prompts that fill it), replies
+    may take 12: every rollout is dropped as too long. The run stops after a run of such groups with a message
+    that names seq_len and the longest sample, instead of dropping rollouts forever."""
+    from transformers import AutoTokenizer
+
+    from prime_rl.orchestrator.config import EnvConfig
+    from prime_rl.orchestrator.envs import load_tasks, prompt_messages
+
+    srv = tied_server
+    tokenizer = AutoTokenizer.from_pretrained(srv.base)
+    tasks = load_tasks([EnvConfig(id="reverse-text")], 4096)["reverse-text"]
+    longest = max(
+        len(tokenizer.apply_chat_template(prompt_messages(t), add_generation_prompt=True)["input_ids"])
+        for t in tasks.items
+    )
+    out = srv.root / "runs" / "too_long"
+    proc = start_orchestrator(srv, out, "--max-steps", "3", "--max-async-level", "4", "--seq-len", str(longest + 3))
+    try:
+        code = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (out / "console.out").read_text()
+    assert code == 1, log[-3000:]
+    assert f"longer than seq_len={longest + 3}" in log and "no usable rollout in the last 16 groups" in log, log[-3000:]
+    assert not batch_path(out, 1).exists()

@@ -1,9 +1,12 @@
 """The real trainer under torchrun (gloo, 2 CPU ranks) on a tiny model with batches written by a helper."""
 
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,11 @@ def trainer_params(ckpt: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(tmp / "ckpt.pt", weights_only=False)["model"]
 
 
+def steps_in(output_dir: Path, kind: str) -> list[int]:
+    """The steps of `rollouts/step_n` or `broadcasts/step_n` directories present."""
+    return sorted(int(p.name.removeprefix("step_")) for p in (output_dir / kind).glob("step_*"))
+
+
 def published(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "broadcasts" / f"step_{step}" / "model.safetensors")
 
@@ -105,8 +113,11 @@ def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
         assert torch.equal(model.state_dict()["model.norm.weight"], weights["model.norm.weight"])
         assert any(not torch.equal(weights[n], previous[n]) for n in weights)  # training moved them
         previous = weights
-    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3
+    # Trained batches are deleted; the metrics keep the policies that sampled them (make_batch: pi_{n-1}).
+    assert not any((out / "rollouts").iterdir())
+    assert [(m["policy_version/min"], m["policy_version/max"]) for m in lines] == [(0, 0), (1, 1), (2, 2)]
     log = (out / "logs" / "trainer.log").read_text()
     assert "step 3 |" in log and "tok/s" in log
 
@@ -117,20 +128,26 @@ def test_resume_matches_straight_run_and_reshards(model_dir, tmp_path):
         write_batches(out, range(1, 5))
     # The straight run also recomputes activations (--model.ac): recomputation must not change a single bit.
     trainer(model_dir, straight, "--max-steps", "4", "--model.ac")
-    trainer(model_dir, split, "--max-steps", "2", "--ckpt", "--ckpt.interval", "2")
+    # The split run keeps one checkpoint and no published step beyond the current one (async level 0).
+    keep = ("--ckpt", "--ckpt.interval", "2", "--ckpt.keep-last", "1", "--max-async-level", "0")
+    trainer(model_dir, split, "--max-steps", "2", *keep)
+    assert steps_in(split, "broadcasts") == [2] and steps_in(split, "rollouts") == [3, 4]
     # A crash during a later save leaves a checkpoint without its marker: resume must skip it.
     broken = split / "checkpoints" / "step_3" / "trainer"
     broken.mkdir(parents=True)
     (broken / "__0_0.distcp").write_bytes(b"partial")
-    resumed = trainer(
-        model_dir, split, "--max-steps", "4", "--ckpt", "--ckpt.interval", "2", "--ckpt.resume-step", "-1"
-    )
+    resumed = trainer(model_dir, split, "--max-steps", "4", *keep, "--ckpt.resume-step", "-1")
     assert "has no COMPLETE marker" in resumed.stderr + resumed.stdout
     assert "resumed from step 2" in resumed.stderr + resumed.stdout
     a, b = published(straight, 4), published(split, 4)
     for name in a:
         # Same data, same order of operations, same world size: bit-identical.
         assert torch.equal(a[name], b[name]), name
+    # Bounded disk: every trained batch is gone; published steps are those the async bound needs (k = 2: pi_2..4)
+    # plus those of live checkpoints: step 2's left with its checkpoint (keep_last 1), the unfinished 3 never was.
+    assert steps_in(straight, "rollouts") == [] and steps_in(straight, "broadcasts") == [2, 3, 4]
+    assert steps_in(split, "rollouts") == [] and steps_in(split, "broadcasts") == [4]
+    assert [p.parent.parent.name for p in split.glob("checkpoints/step_*/trainer/COMPLETE")] == ["step_4"]
 
 
 def test_checkpoint_from_two_ranks_resumes_on_one(model_dir, tmp_path):
@@ -187,3 +204,84 @@ def test_cpu_offload_without_cuda_is_a_clear_error(model_dir, tmp_path):
     assert proc.returncode == 1
     assert "--model.cpu-offload" in proc.stderr and "needs a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def start_trainer(model_dir: Path, output_dir: Path) -> subprocess.Popen:
+    """A 2-rank torchrun trainer in the background, waiting for batch 1, which never comes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "prime_rl.trainer.train", "--model.name", str(model_dir), "--output-dir", str(output_dir)]
+    cmd += ["--seq-len", "96", "--model.dtype", "float32", "--max-steps", "3", "--batch-timeout", "300"]
+    output_dir.mkdir(parents=True)
+    with open(output_dir / "torchrun.out", "w") as out:
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = output_dir / "logs" / "trainer.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and " rank(s) " in log.read_text()):  # model loaded: now waiting for the batch
+        assert agent.poll() is None and time.monotonic() < deadline, (output_dir / "torchrun.out").read_text()
+        time.sleep(0.5)
+    return agent
+
+
+def ranks_of(agent: subprocess.Popen) -> list[int]:
+    """The pids of the trainer ranks the torchrun agent started (its children running our module)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == agent.pid and b"prime_rl.trainer.train" in cmdline:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
+    except OSError:
+        return False
+
+
+def stop(agent: subprocess.Popen, ranks: list[int]) -> None:
+    agent.kill()
+    agent.wait()
+    for pid in ranks:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_die_with_their_torchrun_agent(model_dir, tmp_path):
+    """torchrun starts ranks in sessions of their own: a `kill -9` of the agent reaches them only through the
+    parent-death signal each rank arms at start. Otherwise they would keep waiting and train a later run's batches."""
+    agent = start_trainer(model_dir, tmp_path / "run")
+    ranks = ranks_of(agent)
+    try:
+        assert len(ranks) == 2
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if alive(pid)], "trainer ranks outlived their torchrun agent"
+    finally:
+        stop(agent, ranks)
+
+
+def test_a_second_trainer_on_the_same_output_dir_stops_before_loading_the_model(model_dir, tmp_path):
+    out = tmp_path / "run"
+    first = start_trainer(model_dir, out)
+    try:
+        holder = (out / ".locks" / "trainer.lock").read_text().split()[1]  # "pid <rank 0's pid> on <host>: ..."
+        assert int(holder) in ranks_of(first)
+        resolved = (out / "configs" / "trainer.toml").read_text()
+        second = trainer(model_dir, out, "--max-steps", "1", nproc=1, check=False)
+        assert second.returncode == 1
+        assert f"trainer stopped: another trainer writes to {out} (pid {holder} on " in second.stderr, second.stderr
+        # Before it loaded the model or wrote anything of its own (its resolved config says --max-steps 1).
+        assert "Loading weights" not in second.stderr and " rank(s) " not in second.stderr
+        assert (out / "configs" / "trainer.toml").read_text() == resolved
+        assert first.poll() is None  # the first trainer is undisturbed
+    finally:
+        stop(first, ranks_of(first))

@@ -61,3 +61,13 @@ def test_summarize_two_rollouts_per_example():
 def test_summarize_all_failed():
     s = summarize([record(0, 0.0, error="x")], rollouts_per_example=1, pass_threshold=1.0)
     assert s["errors"] == 1 and s["reward_mean"] is None and "pass@1" not in s
+
+
+def test_named_policies_are_categories_and_steps_a_series(tmp_path):
+    from prime_rl.eval.eval import plot_rewards, step_axis
+
+    assert step_axis(["base", "sft", "rl"]) is None  # bars: no order or distance between named policies
+    assert step_axis(["base", "step_2", "step_10"]) == [0, 2, 10]  # a line over training steps, spaced by step
+    assert step_axis(["step_5", "step_6"]) == [5, 6]
+    summary = {"envs": {"e": {}}, "policies": [{"label": x, "envs": {"e": {"reward_mean": 0.5}}} for x in "ab"]}
+    assert plot_rewards(summary, tmp_path / "p.png").stat().st_size > 0

@@ -135,6 +135,26 @@ def test_gspo_value_and_grad(adv1):
         assert stats["clipped_tokens"].item() == 0
 
 
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_gspo_sequence_ratio_is_over_kept_tokens_only(adv):
+    cfg = LossConfig(objective="gspo")  # sequence ratio range [1 - 3e-4, 1 + 4e-4], token mask (0.125, 8)
+    log_r = [2e-4, -4e-4, 3.0]  # one sample of 3 loss tokens; t2 has r = e^3 = 20.1 > 8: token-masked
+    mu = [-1.0] * 3
+    pi = [m + x for m, x in zip(mu, log_r, strict=True)]
+    # Kept: t0, t1. s = e^((2e-4 - 4e-4)/2) = e^-1e-4 = 0.9999, inside the clip range -> unclipped either sign.
+    # L = Σ over kept u of -s*A = -2*s*A; ds/dπ_t = s/2 for t0 and t1 (the mean is over the 2 kept tokens),
+    # so grad = -2*A*s/2 = -A*s on t0 and t1, and exactly 0 on t2, which is not in the mean at all.
+    # (Averaging over the loss mask instead gives s = e^((3 - 2e-4)/3) = 2.718: clipped for A = +1, and for
+    # A = -1 unclipped with gradient -2*A*s/3 = +1.81 flowing into the masked token t2.)
+    s = math.exp(-1e-4)
+    loss, grad, stats = run(cfg, pi, mu, [adv] * 3, [True] * 3, [0, 0, 0], 1, SCALE)
+    close(loss, -2 * s * adv / SCALE)
+    close(grad[0], -adv * s / SCALE)
+    close(grad[1], -adv * s / SCALE)
+    assert grad[2] == 0.0
+    assert stats["masked_high"].item() == 1 and stats["clipped_tokens"].item() == 0
+
+
 def test_cispo_clipped_tokens_keep_gradient_unlike_grpo():
     ids = [0, 0, 1, 1]
     log_r = [0.5, 0.5, -0.5, 0.1]

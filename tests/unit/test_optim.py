@@ -205,3 +205,15 @@ def test_scheduler_resumes_from_state_dict():
     assert resumed == original
     assert resumed == pytest.approx([lr_at(s, 0.5, config, 12) for s in range(5, 12)], abs=1e-12)
     assert torch.equal(model.weight, model2.weight)
+
+
+def test_shared_fields_have_one_definition():
+    # One warmup default for every schedule kind: none unless asked for (a config that wants warmup says so).
+    schedulers = [ConstantSchedulerConfig, LinearSchedulerConfig, CosineSchedulerConfig]
+    assert [cls().warmup_steps for cls in schedulers] == [0, 0, 0]
+    fields = [cls.model_fields["warmup_steps"] for cls in schedulers]
+    assert all(f.description == fields[0].description and f.metadata == fields[0].metadata for f in fields)
+    # One gradient clipping setting, `optim.max_norm`, whichever the optimizer.
+    for kind in ("adamw", "sgd"):
+        config = TypeAdapter(OptimizerConfig).validate_python({"type": kind, "max_norm": 0.5})
+        assert config.max_norm == 0.5 and type(config).model_fields["max_norm"].default == 1.0

@@ -3,9 +3,12 @@
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from prime_rl.trainer.ckpt import COMPLETE, CheckpointManager, complete_steps, resolve_resume_step, step_dir
-from prime_rl.trainer.config import CheckpointConfig
+from prime_rl.trainer.ckpt import COMPLETE, CheckpointManager, Progress, complete_steps, resolve_resume_step, step_dir
+from prime_rl.trainer.config import CheckpointConfig, ConstantSchedulerConfig, SGDConfig
+from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.weights import broadcast_dir, prune_broadcasts
 
 
@@ -47,3 +50,63 @@ def test_prune_broadcasts_keeps_what_the_async_bound_needs(tmp_path):
     removed = prune_broadcasts(tmp_path, 8, 2, keep={4})
     assert removed == [1, 2, 3, 5]
     assert sorted(int(p.name.split("_")[1]) for p in (tmp_path / "broadcasts").iterdir()) == [4, 6, 7, 8]
+
+
+def published_steps(out: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (out / "broadcasts").iterdir())
+
+
+def test_broadcasts_of_checkpoints_stay_while_a_resume_may_need_them(tmp_path):
+    # Checkpoints every 3 steps with keep_last 2, max_async_level 0, at the end of step 10:
+    # complete checkpoints 3 and 6; step 9's save crashed half-way (no COMPLETE): no resume can start there.
+    for step in range(1, 11):
+        broadcast_dir(tmp_path, step).mkdir(parents=True)
+    fake_checkpoint(tmp_path, 3)
+    fake_checkpoint(tmp_path, 6)
+    fake_checkpoint(tmp_path, 9, complete=False)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(interval=3, keep_last=2), is_main=True)
+    assert manager.live_steps() == {3, 6}
+    # Async bound: nothing older than 10 - 0 = 10; live checkpoints 3 and 6 stay, 9 goes with the others.
+    assert prune_broadcasts(tmp_path, 10, 0, keep=manager.live_steps()) == [1, 2, 4, 5, 7, 8, 9]
+    assert published_steps(tmp_path) == [3, 6, 10]
+
+    # Step 12 is saved (keep_last 2 drops checkpoint 3, and the crashed 9 is no checkpoint): 3's weights go too.
+    broadcast_dir(tmp_path, 11).mkdir()
+    broadcast_dir(tmp_path, 12).mkdir()
+    fake_checkpoint(tmp_path, 12)
+    manager._prune(12)
+    assert complete_steps(tmp_path) == [6, 12]
+    assert prune_broadcasts(tmp_path, 12, 0, keep=manager.live_steps()) == [3, 10, 11]
+    assert published_steps(tmp_path) == [6, 12]
+
+
+def test_a_checkpoint_still_being_written_keeps_its_broadcast(tmp_path):
+    """An async save has no COMPLETE marker until its background write ends; should the run die meanwhile, a
+    resume starts from the checkpoint before it. Both that one and the one in flight must keep their weights."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        optimizer = build_optimizer(model.parameters(), SGDConfig(lr=0.1))
+        scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), None)
+        config = CheckpointConfig(interval=2, keep_last=1, save_async=True)
+        manager = CheckpointManager(tmp_path, config, is_main=True)
+        for step in (2, 3, 4):
+            broadcast_dir(tmp_path, step).mkdir(parents=True)
+        manager.save(2, model, optimizer, scheduler, Progress(2))
+        manager.wait()  # returns once the checkpoint is marked complete, not merely written
+        assert complete_steps(tmp_path) == [2] and manager.pending_step is None
+        manager.save(4, model, optimizer, scheduler, Progress(4))
+        # Save 4 is in flight (whether its marker is written yet or not, it is live); checkpoint 2 is complete
+        # and stays live until save 4 has finished and keep_last dropped it.
+        live = manager.live_steps()
+        assert manager.pending_step == 4 and 4 in live
+        assert 2 in live or complete_steps(tmp_path) == [4]
+        prune_broadcasts(tmp_path, 4, 0, keep=live)
+        assert published_steps(tmp_path) == sorted(live)  # 3 is past the async bound and no checkpoint
+        manager.wait()
+        # Save 4 is complete and keep_last 1 dropped checkpoint 2: now its weights may go.
+        assert complete_steps(tmp_path) == [4] and manager.live_steps() == {4}
+        prune_broadcasts(tmp_path, 4, 0, keep=manager.live_steps())
+        assert published_steps(tmp_path) == [4]
+    finally:
+        dist.destroy_process_group()

@@ -300,6 +300,10 @@ class Scheduler:
                 logger.warning(f"every rollout of {group.env}/{group.task_idx} failed: {done.rollouts[0].error}")
             self.liveness.unusable(done.rollouts)
             return
+        if not any(r.samples for r in good):  # rewards, but no seat of the policy sampled a token: nothing to train
+            self.stats.filtered += 1
+            self.liveness.unusable(good, "sampled no token")
+            return
         self.liveness.usable()
         group.rollouts = good
         if group.version < group.start_version:
@@ -317,9 +321,6 @@ class Scheduler:
         if self.config.filter_zero_advantage and all(len(set(s)) == 1 for s in seat_rewards(good).values()):
             # Equal rewards (per seat) give every estimator an advantage of exactly 0: no learning signal.
             self._waste("filtered")
-            return
-        if not any(r.samples for r in good):
-            self._waste("without sampled tokens")
             return
         self.finished.append(group)
         self.liveness.progress()

@@ -8,6 +8,7 @@ DCP checkpoints are resharded on load, so a run may resume on a different number
 import shutil
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -77,6 +78,8 @@ class CheckpointManager:
         self.is_main = is_main
         self.name = name
         self.pending: Future | None = None
+        self.pending_step: int | None = None
+        """The step of a save still being written in the background (it has no `COMPLETE` marker yet)."""
         # Background saves need their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if config.save_async else None
 
@@ -89,8 +92,9 @@ class CheckpointManager:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         extra = {"scheduler": scheduler.state_dict(), "progress": asdict(progress)}
         if self.config.save_async:
-            self.pending = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
-            self.pending.add_done_callback(lambda _: self._finish(step, path, extra))
+            written = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group)
+            self.pending, self.pending_step = Future(), step
+            written.add_done_callback(partial(self._finish_async, self.pending, step, path, extra))
         else:
             dcp.save(state, checkpoint_id=str(path))
             dist.barrier()
@@ -104,11 +108,29 @@ class CheckpointManager:
         logger.info(f"checkpoint for step {step} complete at {path}")
         self._prune(step)
 
+    def _finish_async(self, done: Future, step: int, path: Path, extra: dict, written: Future) -> None:
+        """When the background write ends: mark the checkpoint complete only if it succeeded, then settle `done`,
+        which `wait()` waits for (the write's own future settles before its callbacks have run)."""
+        try:
+            written.result()
+            self._finish(step, path, extra)
+            done.set_result(None)
+        except BaseException as e:
+            done.set_exception(e)
+
     def wait(self) -> None:
         if self.pending is not None:
             self.pending.result()
-            self.pending = None
+            self.pending = self.pending_step = None
             dist.barrier(group=self.group)
+
+    def live_steps(self) -> set[int]:
+        """Steps a resume may start from, now or once the save in flight completes: the complete checkpoints
+        and the one being written. Whatever a resume needs besides the checkpoint (the step's published
+        weights) must stay while its step is in here, and may go once it is not.
+        """
+        pending = self.pending_step  # read first: a save that completes meanwhile is then listed either way
+        return set(complete_steps(self.output_dir, self.name)) | ({pending} if pending is not None else set())
 
     def _prune(self, latest: int) -> None:
         if self.config.keep_last is None:

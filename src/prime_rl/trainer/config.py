@@ -57,12 +57,19 @@ class LossConfig(BaseConfig):
         return self
 
 
-class AdamWConfig(BaseConfig):
-    type: Literal["adamw"] = "adamw"
-    """Optimizer kind (selects this section)."""
+class OptimizerBase(BaseConfig):
+    """What every optimizer section shares; each kind adds its own fields and its `type`."""
 
     lr: float = Field(1e-6, gt=0)
     """Peak learning rate, reached at the end of warmup."""
+
+    max_norm: float = Field(1.0, ge=0)
+    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
+
+
+class AdamWConfig(OptimizerBase):
+    type: Literal["adamw"] = "adamw"
+    """Optimizer kind (selects this section)."""
 
     weight_decay: float = Field(0.01, ge=0)
     """Decoupled weight decay (AdamW style), applied to every parameter."""
@@ -70,16 +77,10 @@ class AdamWConfig(BaseConfig):
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     """Decay rates of the first and second moment estimates."""
 
-    max_norm: float = Field(1.0, ge=0)
-    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
 
-
-class SGDConfig(BaseConfig):
+class SGDConfig(OptimizerBase):
     type: Literal["sgd"] = "sgd"
     """Optimizer kind (selects this section)."""
-
-    lr: float = Field(1e-6, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
 
     weight_decay: float = Field(0.0, ge=0)
     """L2 penalty added to the gradient (coupled, as in torch SGD)."""
@@ -89,9 +90,6 @@ class SGDConfig(BaseConfig):
 
     nesterov: bool = True
     """Use Nesterov momentum (needs `momentum > 0`)."""
-
-    max_norm: float = Field(1.0, ge=0)
-    """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> "SGDConfig":
@@ -104,20 +102,22 @@ class SGDConfig(BaseConfig):
 OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="type")]
 
 
-class ConstantSchedulerConfig(BaseConfig):
+class SchedulerBase(BaseConfig):
+    """What every schedule shares: the warmup, one definition with one default for all kinds."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup at the start (step s < warmup_steps uses lr * (s + 1) / warmup_steps); 0 starts at
+    full lr. No schedule warms up unless asked to."""
+
+
+class ConstantSchedulerConfig(SchedulerBase):
     type: Literal["constant"] = "constant"
     """Schedule kind (selects this section)."""
 
-    warmup_steps: int = Field(0, ge=0)
-    """Steps of linear warmup before the constant learning rate; 0 starts at full lr."""
 
-
-class LinearSchedulerConfig(BaseConfig):
+class LinearSchedulerConfig(SchedulerBase):
     type: Literal["linear"] = "linear"
     """Schedule kind (selects this section)."""
-
-    warmup_steps: int = Field(10, ge=0)
-    """Steps of linear warmup at the start."""
 
     decay_steps: int = Field(10, ge=0)
     """Last steps of the run over which the lr falls linearly to `min_lr` (reached on the final step)."""
@@ -126,12 +126,9 @@ class LinearSchedulerConfig(BaseConfig):
     """Learning rate of the final step; must not exceed the optimizer's `lr`."""
 
 
-class CosineSchedulerConfig(BaseConfig):
+class CosineSchedulerConfig(SchedulerBase):
     type: Literal["cosine"] = "cosine"
     """Schedule kind (selects this section)."""
-
-    warmup_steps: int = Field(10, ge=0)
-    """Steps of linear warmup at the start."""
 
     min_lr: float = Field(0.0, ge=0)
     """Learning rate of the final step, where the cosine ends; must not exceed the optimizer's `lr`."""
@@ -228,8 +225,11 @@ class TrainerConfig(EntrypointConfig):
     max_async_level: int = Field(2, ge=0)
     """How many steps inference may lag behind; decides which published weights must be kept."""
 
-    batch_timeout: float | None = Field(None, gt=0)
-    """Seconds to wait for a step's batch before failing (None: wait forever)."""
+    batch_timeout: float | None = Field(3600.0, gt=0)
+    """Seconds to wait for a step's batch before failing (None: wait forever). One hour is far longer than
+    one step's rollouts take in a healthy run, so a trainer still waiting then has lost its orchestrator
+    (it died or never started on this output_dir): fail with a message instead of hanging forever.
+    Raise it for steps whose rollouts really take longer. A warning names the awaited file every minute."""
 
     seed: int = 0
     """Seed for random initialisation and fake data."""

@@ -1,6 +1,9 @@
 """Process group and device setup for torchrun (or a plain single process)."""
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -46,3 +49,42 @@ def broadcast_object(obj, world: World):
     box = [obj if world.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _could_be_agent(pid: int) -> bool:
+    """Whether process `pid` can be the torchrun agent that started this rank: it runs the same interpreter.
+
+    The agent runs as this user, so its executable is readable; when it is not (init, owned by root), `pid`
+    is taken for the agent unless it is 1, so that an unusual /proc never stops a healthy rank.
+    """
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == os.readlink("/proc/self/exe")
+    except OSError:
+        return pid != 1
+
+
+def die_with_torchrun_agent() -> None:
+    """Under torchrun, have the kernel SIGKILL this rank the moment its agent (the parent) dies, however it dies.
+
+    torchrun starts every rank in a session of its own, so neither a signal to the agent's process group nor a
+    `kill -9` of the agent reaches the ranks: they would train on and consume the batches of a later run on the
+    same output_dir. The parent-death signal is armed only here, seconds after the rank started; an agent that
+    died before that has already handed the rank to a reaper (init or a subreaper), a process that does not run
+    the agent's Python: then exit at once. (The signal follows the parent *thread*: torchrun starts ranks from
+    its main thread, which lives as long as the agent.)
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return  # not a torchrun rank (a plain `trainer` process stops with its own terminal)
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent or not _could_be_agent(parent):
+        print(
+            f"rank {os.environ.get('RANK')}: its torchrun agent is gone (parent now pid {os.getppid()}); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)

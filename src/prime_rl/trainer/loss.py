@@ -119,7 +119,7 @@ def grpo_loss(
 def gspo_loss(
     trainer_logprobs: Tensor, seq_log_ratio: Tensor, advantages: Tensor, config: LossConfig
 ) -> tuple[Tensor, Tensor]:
-    """PPO clip on the sequence ratio s_i = exp(mean log r over sample i), broadcast to each of its tokens.
+    """PPO clip on the sequence ratio s_i = exp(mean log r over sample i's kept tokens), broadcast to each of them.
 
     `seq_log_ratio` is log s_i per token (mean_log_r[sample_ids], with gradient). Rewards are per sequence, so
     the ratio is too: the length-normalised ratio has low variance, which is why its clip range is ~1e-4.
@@ -190,7 +190,9 @@ def compute_loss(
     # otherwise put inf into the graph and turn its zero gradient into inf * 0 = NaN.
     effective_adv = torch.where(keep, advantages - config.kl_tau * log_ratio.detach(), 0.0)
     if config.objective == "gspo":
-        mean_log_r, _, _ = sequence_stats(log_ratio, loss_mask, sample_ids, num_samples)
+        # The sequence ratio is the geometric mean over the *kept* tokens: averaging over every loss token
+        # would let a token dropped by the token masks steer (and receive gradient through) its sample's ratio.
+        mean_log_r, _, _ = sequence_stats(log_ratio, keep, sample_ids, num_samples)
         ratio_input = mean_log_r[sample_ids]
     else:
         ratio_input = log_ratio

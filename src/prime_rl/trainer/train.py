@@ -5,38 +5,123 @@
 
 Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
 forward/backward every row (loss normalised by the step's total loss tokens) -> clip, optimizer and
-scheduler step -> publish `broadcasts/step_n` (pi_n) -> maybe checkpoint.
+scheduler step -> publish `broadcasts/step_n` (pi_n) -> delete the trained batch and the published steps
+nothing needs any more -> maybe checkpoint. What `sft` does alike (the process around the loop, model and
+optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s.
 """
 
 import math
 import random
 import time
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from loguru import logger
-from transformers import AutoTokenizer
 
-from prime_rl.batch import BatchError, TrainingSample, batch_path, read_batch, validate_batch, wait_for_batch
-from prime_rl.config.loader import load_config, write_resolved_config
-from prime_rl.trainer.ckpt import CheckpointManager, Progress, resolve_resume_step
+from prime_rl.batch import (
+    BatchError,
+    TrainingSample,
+    batch_path,
+    read_batch,
+    remove_batch,
+    validate_batch,
+    wait_for_batch,
+)
+from prime_rl.config.loader import load_config
+from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import World, broadcast_object, init_distributed
+from prime_rl.trainer.distributed import World
 from prime_rl.trainer.logprobs import shifted_logprobs
 from prime_rl.trainer.loss import compute_loss
-from prime_rl.trainer.model import SetupError, check_device, load_model, shard_model, stored_dtype
-from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
-from prime_rl.trainer.perf import (
-    ThroughputMeter,
-    flops_per_token,
-    format_bench_table,
-    peak_flops,
-    peak_memory_gib,
+from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.perf import format_bench_table
+from prime_rl.trainer.scaffold import (
+    Run,
+    StepMeter,
+    all_reduce_sums,
+    build_run,
+    load_tokenizer,
+    next_rows,
+    trainer_process,
 )
 from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
-from prime_rl.utils.logging import setup_logging
-from prime_rl.utils.monitor import Monitor, MonitorError
+from prime_rl.utils.monitor import Monitor
+
+BATCH_ERRORS = (BatchError, TimeoutError)
+"""A batch that is unusable or never comes: the run stops with a message naming the file."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, _ = load_config(TrainerConfig, "trainer", argv)
+    with trainer_process("trainer", config, BATCH_ERRORS) as (world, monitor):
+        train(config, world, monitor)
+
+
+def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
+    """Train until `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
+    tokenizer = load_tokenizer(config.model)
+    max_steps = config.bench.steps if config.bench else config.max_steps
+    run = build_run(config, world, "trainer", max_steps, "training")
+    vocab_size = run.model.config.vocab_size
+    meter = StepMeter(run.model.config, config.seq_len, world)
+    bench_rows: list[dict] = []
+
+    while max_steps is None or run.progress.step < max_steps:
+        step = run.progress.step + 1
+        t0 = time.perf_counter()
+        rows, info = next_rows(world, config.seq_len, partial(take_batch, config, step, vocab_size), BATCH_ERRORS)
+        t_data = time.perf_counter() - t0
+
+        run.model.train()
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world.device)
+        grad_norm, lr = run.optimizer_step(config.optim.max_norm)
+        run.progress = Progress(step, run.progress.tokens + info["tokens"], run.progress.samples + info["samples"])
+        sums = all_reduce_sums(totals, world)
+        t_train = time.perf_counter() - t0 - t_data
+
+        t_pub = 0.0
+        if config.bench is None:
+            t_pub = time.perf_counter()
+            publish(run, tokenizer, broadcast_dir(config.output_dir, step), world)
+            t_pub = time.perf_counter() - t_pub
+            if world.is_main:
+                remove_batch(config.output_dir, step)  # trained: nothing reads it again
+                live = run.ckpt.live_steps() if run.ckpt else set()
+                prune_broadcasts(config.output_dir, step, config.max_async_level, keep=live)
+            run.maybe_checkpoint(step, max_steps)
+
+        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, t_pub)
+        if world.is_main:
+            log_step(step, metrics, monitor)
+            bench_rows.append({"step": step, "seconds": t_train, **metrics})
+
+    if run.ckpt is not None:
+        run.ckpt.wait()
+        if world.is_main and config.bench is None:  # the last save may have pruned checkpoints: their weights too
+            prune_broadcasts(config.output_dir, run.progress.step, config.max_async_level, run.ckpt.live_steps())
+    if config.bench is not None and world.is_main:
+        print(format_bench_table(bench_rows))
+
+
+def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[TrainingSample], dict]:
+    """Rank 0: the checked samples of batch `step` (random ones with `--bench`) and the policy versions that
+    sampled them (the batch file is deleted once trained, so the metrics keep them)."""
+    if config.bench is not None:
+        samples = fake_samples(config, vocab_size, step)
+    else:
+        path = wait_for_batch(batch_path(config.output_dir, step), timeout=config.batch_timeout)
+        batch = read_batch(path)
+        if batch.step != step:
+            raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
+        validate_batch(batch, path, vocab_size, config.seq_len)
+        samples = batch.samples
+    versions = [v for s in samples for v in s.policy_versions]
+    return samples, {
+        "policy_version/min": min(versions, default=None),
+        "policy_version/max": max(versions, default=None),
+    }
 
 
 def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
@@ -55,41 +140,6 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
             )
         )
     return samples
-
-
-def next_rows(config: TrainerConfig, world: World, step: int, vocab_size: int) -> tuple[list[PackedRow], dict]:
-    """Rank 0 reads, validates and packs batch `step`; every rank gets its rows and the step totals.
-
-    A bad batch fails on every rank with rank 0's message, instead of leaving the others blocked.
-    """
-    payload: dict = {}
-    if world.is_main:
-        try:
-            if config.bench is not None:
-                samples = fake_samples(config, vocab_size, step)
-            else:
-                path = wait_for_batch(batch_path(config.output_dir, step), timeout=config.batch_timeout)
-                batch = read_batch(path)
-                if batch.step != step:
-                    raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
-                validate_batch(batch, path, vocab_size, config.seq_len)
-                samples = batch.samples
-            rows = pack_samples(samples, config.seq_len)
-            payload = {
-                "shards": shard_rows(rows, world.world_size),
-                "loss_tokens": sum(int(s.loss_mask.count(True)) for s in samples),
-                "tokens": sum(len(s.token_ids) for s in samples),
-                "samples": len(samples),
-            }
-        except (BatchError, TimeoutError) as e:
-            payload = {"error": str(e)}
-    shards = payload.pop("shards", None)
-    payload = broadcast_object(payload, world)  # the totals, or the error
-    if "error" in payload:
-        raise BatchError(payload["error"])
-    mine: list = [None]
-    dist.scatter_object_list(mine, shards, src=0)  # each rank receives only its own rows
-    return mine[0], payload
 
 
 def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
@@ -121,133 +171,26 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerC
     return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per row
 
 
-def all_reduce_sums(totals: dict[str, float], world: World) -> dict[str, float]:
-    keys = sorted(totals)
-    tensor = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=world.device)
-    dist.all_reduce(tensor)
-    return dict(zip(keys, tensor.tolist(), strict=True))
-
-
-def main(argv: list[str] | None = None) -> None:
-    config, _ = load_config(TrainerConfig, "trainer", argv)
-    world = init_distributed()
-    setup_logging("trainer", config.log.level, config.output_dir / "logs" if world.is_main else None)
-    if not world.is_main:
-        logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
+def publish(run: Run, tokenizer, target: Path, world: World) -> None:
+    """Rank 0 writes the policy as an HF directory at `target`, marked `STABLE` once complete, for inference."""
+    state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
     if world.is_main:
-        write_resolved_config(config, "trainer")
-    monitor, exit_code = None, 1
-    try:
-        if world.is_main:
-            resume = config.ckpt is not None and config.ckpt.resume_step is not None
-            monitor = Monitor(config.output_dir, "trainer", config.wandb, config.model_dump(mode="json"), resume)
-        run(config, world, monitor)
-        exit_code = 0
-    except (BatchError, FileNotFoundError, SetupError, MonitorError) as e:
-        # Bad input or settings: every rank raises the same message; print it once, without a traceback.
-        if world.is_main:
-            logger.error(f"trainer stopped: {e}")
-        raise SystemExit(1) from None
-    finally:
-        if monitor is not None:
-            monitor.close(exit_code)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        save_hf_dir(state, run.model.config, tokenizer, target, STABLE, run.model.generation_config)
+    del state
+    dist.barrier()
 
 
-def run(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
-    """Train until `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
-    check_device(config.model, world.device)
-    torch.manual_seed(config.seed)
-    publish_dtype = stored_dtype(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    model = shard_model(load_model(config.model, config.seed), config.model, world)
-    model.config.dtype = publish_dtype
-    vocab_size = model.config.vocab_size
-    optimizer = build_optimizer(model.parameters(), config.optim)
-    max_steps = config.bench.steps if config.bench else config.max_steps
-    scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
-    ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main) if config.ckpt else None
-    progress = Progress()
-    if ckpt is not None and config.ckpt.resume_step is not None:
-        step = resolve_resume_step(config.output_dir, config.ckpt.resume_step)
-        progress = ckpt.load(step, model, optimizer, scheduler)
-        logger.info(f"resumed from step {progress.step} ({progress.tokens} tokens, {progress.samples} samples)")
-
-    n_flops = flops_per_token(model.config, config.seq_len)
-    peak = peak_flops(torch.cuda.get_device_name(world.device)) if world.device.type == "cuda" else None
-    meter = ThroughputMeter()
-    bench_rows: list[dict] = []
-    logger.info(
-        f"training {config.model.name} on {world.world_size} rank(s) ({world.device.type}), "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, steps {progress.step + 1}..{max_steps or 'inf'}"
-    )
-
-    while max_steps is None or progress.step < max_steps:
-        step = progress.step + 1
-        t0 = time.perf_counter()
-        rows, info = next_rows(config, world, step, vocab_size)
-        t_data = time.perf_counter() - t0
-        loss_scale = max(info["loss_tokens"], 1)
-
-        model.train()
-        totals = train_step(model, rows, loss_scale, config, world.device)
-        grad_norm = clip_grad_norm(model.parameters(), config.optim.max_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        progress = Progress(progress.step + 1, progress.tokens + info["tokens"], progress.samples + info["samples"])
-        sums = all_reduce_sums(totals, world)
-        t_train = time.perf_counter() - t0 - t_data
-
-        if config.bench is None:
-            t_pub = time.perf_counter()
-            state = full_state_dict(model, publish_dtype)
-            if world.is_main:
-                target = broadcast_dir(config.output_dir, step)
-                save_hf_dir(state, model.config, tokenizer, target, STABLE, model.generation_config)
-                keep = set(range(0, step + 1, config.ckpt.interval)) if config.ckpt else set()
-                prune_broadcasts(config.output_dir, step, config.max_async_level, keep)
-            del state
-            dist.barrier()
-            t_pub = time.perf_counter() - t_pub
-            if ckpt is not None and (step % config.ckpt.interval == 0 or step == max_steps):
-                ckpt.save(step, model, optimizer, scheduler, progress)
-        else:
-            t_pub = 0.0
-
-        # Throughput and MFU measure the training work; waiting for the orchestrator is reported separately.
-        meter.update(t_train, info["tokens"], int(sums["processed_tokens"]))
-        metrics = step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub)
-        if world.is_main:
-            log_step(step, metrics, monitor)
-            bench_rows.append({"step": step, "seconds": t_train, **metrics})
-    if ckpt is not None:
-        ckpt.wait()
-    if config.bench is not None and world.is_main:
-        print(format_bench_table(bench_rows))
-
-
-def step_metrics(sums, info, grad_norm, lr, meter, n_flops, peak, world, t_data, t_train, t_pub) -> dict[str, float]:
+def rl_metrics(sums: dict, info: dict, t_pub: float) -> dict:
+    """What only RL logs: entropy, sampler/trainer mismatch, masked and clipped fractions, policy versions."""
     tokens = max(info["loss_tokens"], 1)
-    metrics = {
-        "loss": sums["loss"],
-        "entropy": sums["entropy_sum"] / tokens,
-        "grad_norm": float(grad_norm),
-        "lr": lr,
-        "tokens": info["tokens"],
-        "samples": info["samples"],
-        "padding_fraction": 1 - info["tokens"] / max(sums["processed_tokens"], 1),
-        "tokens_per_s": meter.tokens_per_s or info["tokens"] / max(t_train, 1e-9),
-        "mfu": meter.mfu(n_flops, peak, world.world_size) if peak else None,
-        "peak_memory_gib": peak_memory_gib(world.device),
-        "time_data": t_data,
-        "time_train": t_train,
-        "time_publish": t_pub,
-    }
     samples = max(sums.get("samples", 0), 1)
-    metrics["mismatch_kl"] = sums.get("mismatch_kl_sum", 0.0) / tokens
+    metrics = {
+        "entropy": sums["entropy_sum"] / tokens,
+        "time_publish": t_pub,
+        "policy_version/min": info["policy_version/min"],
+        "policy_version/max": info["policy_version/max"],
+        "mismatch_kl": sums.get("mismatch_kl_sum", 0.0) / tokens,
+    }
     for key in ("masked_tokens", "masked_low", "masked_high", "clipped_tokens"):
         metrics[key.removesuffix("_tokens") + "_fraction"] = sums.get(key, 0.0) / tokens
     for key in ("geo_masked_samples", "sequence_masked_samples"):

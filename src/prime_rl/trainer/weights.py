@@ -74,7 +74,10 @@ def prune_broadcasts(output_dir: Path, current_step: int, max_async_level: int, 
     """Delete published steps inference can no longer need: older than `current_step - max_async_level`.
 
     The orchestrator may still be moving servers to any policy the async bound allows (>= n-1-k for batch
-    n, and batch current_step+1 is the next); steps in `keep` (checkpoint steps, needed on resume) stay.
+    n, and batch current_step+1 is the next). Steps in `keep` stay: the checkpoint steps a resume may start
+    from (`CheckpointManager.live_steps`), whose weights the orchestrator serves first after resuming. A
+    checkpoint step that `keep` no longer names (pruned by `keep_last`) goes, so the published directories
+    stay O(max_async_level + kept checkpoints) however long the run.
     """
     oldest_needed = current_step - max_async_level
     removed = []

@@ -1,0 +1,240 @@
+"""The scaffold both training loops stand in: the RL `trainer` (train.py) and `sft` (sft.py).
+
+A loop keeps only what is its own (where samples come from, the loss, what it publishes, its extra metrics)
+and reads top to bottom; the rest is here, once:
+
+    with trainer_process("sft", config, errors) as (world, monitor):  # one rank's life: group, lock, logs, exit
+        tokenizer = load_tokenizer(config.model)
+        run = build_run(config, world, "sft", max_steps, "fine-tuning")  # FSDP2 model, optimizer, schedule, resume
+        meter = StepMeter(run.model.config, config.seq_len, world)
+        ...
+        rows, info = next_rows(world, config.seq_len, take_samples, errors)  # rank 0 makes them, all get theirs
+        ...  forward/backward every row (the loop's loss)
+        grad_norm, lr = run.optimizer_step(config.optim.max_norm)
+        sums = all_reduce_sums(totals, world)
+        run.maybe_checkpoint(step, max_steps)
+        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | the loop's own
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from transformers import AutoTokenizer, PreTrainedModel
+
+from prime_rl.batch import TrainingSample
+from prime_rl.config.loader import write_resolved_config
+from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume_step
+from prime_rl.trainer.config import ModelConfig
+from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
+from prime_rl.trainer.model import SetupError, check_device, load_model, shard_model, stored_dtype
+from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
+from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
+from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
+from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.monitor import Monitor, MonitorError
+
+SETUP_ERRORS = (FileNotFoundError, SetupError, MonitorError, OutputDirBusy)
+"""Failures of settings or surroundings (a missing checkpoint, a busy output dir, ...): a message, not a bug."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank's life.
+
+
+@contextmanager
+def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> Iterator[tuple[World, Monitor | None]]:
+    """Run the body as one rank of `role` ("trainer" or "sft"); yields the world and rank 0's monitor (else None).
+
+    In order: die with the torchrun agent, join the process group, take `{output_dir}/.locks/<role>.lock` on
+    rank 0 (a second run of the role on the same output_dir stops here, before it writes anything), then
+    logs, the resolved config and the monitor. An expected failure (`errors`, `SETUP_ERRORS`) exits 1 without
+    a traceback; rank 0 prints its message once (`next_rows` and the lock raise it on every rank alike).
+    """
+    die_with_torchrun_agent()
+    world = init_distributed()
+    setup_logging(role, config.log.level)  # the console only, until the output dir is ours
+    if not world.is_main:
+        logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
+    lock, monitor, exit_code = None, None, 1
+    try:
+        lock = claim_output_dir(config.output_dir, role, world)
+        if world.is_main:
+            setup_logging(role, config.log.level, config.output_dir / "logs")
+            write_resolved_config(config, role)
+            resume = config.ckpt is not None and config.ckpt.resume_step is not None
+            monitor = Monitor(config.output_dir, role, config.wandb, config.model_dump(mode="json"), resume)
+        yield world, monitor
+        exit_code = 0
+    except (*errors, *SETUP_ERRORS) as e:
+        if world.is_main:
+            logger.error(f"{role} stopped: {e}")
+        raise SystemExit(1) from None
+    finally:
+        if monitor is not None:
+            monitor.close(exit_code)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
+
+
+def claim_output_dir(output_dir: Path, role: str, world: World) -> OutputDirLock | None:
+    """Rank 0 takes the role's lock for the whole run (held by the process: the kernel drops it when the rank
+    dies); when another process holds it, every rank raises `OutputDirBusy` naming that process."""
+    lock, error = None, None
+    if world.is_main:
+        try:
+            lock = OutputDirLock(output_dir, role)
+        except OutputDirBusy as e:
+            error = str(e)
+    if (error := broadcast_object(error, world)) is not None:
+        raise OutputDirBusy(error)
+    return lock
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run: model, optimizer, schedule, checkpoints.
+
+
+def load_tokenizer(config: ModelConfig):
+    return AutoTokenizer.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+
+
+@dataclass
+class Run:
+    """What a training loop steps: the FSDP2-sharded model, its optimizer and schedule, checkpoints, progress."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    ckpt: CheckpointManager | None
+    progress: Progress
+    """Where the run stands (restored from the checkpoint on resume); the loop replaces it after each step."""
+    export_dtype: torch.dtype
+    """The dtype of the model's own checkpoint: published or exported weights are written back in it."""
+
+    def optimizer_step(self, max_norm: float) -> tuple[float, float]:
+        """Clip, then step optimizer and schedule; returns the gradient norm before clipping and the lr used."""
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm, lr
+
+    def maybe_checkpoint(self, step: int, max_steps: int | None) -> None:
+        """Save every `ckpt.interval` steps and after the last one (a collective: every rank calls it)."""
+        if self.ckpt is not None and (step % self.ckpt.config.interval == 0 or step == max_steps):
+            self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.progress)
+
+
+def build_run(
+    config, world: World, name: str, max_steps: int | None, verb: str, progress_type: type[P] = Progress
+) -> Run:
+    """Load and shard the model, build optimizer and schedule, and resume from `config.ckpt.resume_step`.
+
+    `name` is the checkpoint's subdirectory (`checkpoints/step_n/<name>/`); `progress_type` a `Progress` that
+    records more when the loop needs it (sft: the data position).
+    """
+    check_device(config.model, world.device)
+    torch.manual_seed(config.seed)
+    export_dtype = stored_dtype(config.model)
+    model = shard_model(load_model(config.model, config.seed), config.model, world)
+    model.config.dtype = export_dtype
+    optimizer = build_optimizer(model.parameters(), config.optim)
+    scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
+    ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, name) if config.ckpt else None
+    progress = progress_type()
+    if ckpt is not None and config.ckpt.resume_step is not None:
+        step = resolve_resume_step(config.output_dir, config.ckpt.resume_step, name)
+        progress = ckpt.load(step, model, optimizer, scheduler, progress_type)
+        logger.info(f"resumed from step {progress.step} ({progress.tokens} tokens, {progress.samples} samples)")
+    logger.info(
+        f"{verb} {config.model.name} on {world.world_size} rank(s) ({world.device.type}), "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"steps {progress.step + 1}..{max_steps or 'inf'}"
+    )
+    return Run(model, optimizer, scheduler, ckpt, progress, export_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One step: rows in, statistics out.
+
+
+def next_rows(
+    world: World,
+    seq_len: int,
+    take_samples: Callable[[], tuple[list[TrainingSample], dict]],
+    errors: tuple[type[Exception], ...],
+) -> tuple[list[PackedRow], dict]:
+    """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
+
+    `take_samples()` runs on rank 0 only and returns the samples plus facts every rank should see (they join
+    the totals `loss_tokens`, `tokens`, `samples`). An `errors` exception there is raised on every rank with
+    rank 0's message, instead of leaving the other ranks blocked in the next collective.
+    """
+    payload: dict = {}
+    if world.is_main:
+        try:
+            samples, facts = take_samples()
+            rows = pack_samples(samples, seq_len)
+            payload = {
+                "shards": shard_rows(rows, world.world_size),
+                "loss_tokens": sum(row.num_loss_tokens for row in rows),
+                "tokens": sum(len(s.token_ids) for s in samples),
+                "samples": len(samples),
+                **facts,
+            }
+        except errors as e:
+            payload = {"error": e}
+    shards = payload.pop("shards", None)
+    payload = broadcast_object(payload, world)  # the totals, or the error
+    if "error" in payload:
+        raise payload["error"]
+    mine: list = [None]
+    dist.scatter_object_list(mine, shards, src=0)  # each rank receives only its own rows
+    return mine[0], payload
+
+
+def all_reduce_sums(totals: dict[str, float], world: World) -> dict[str, float]:
+    """Sum each statistic over the ranks (one collective for all of them)."""
+    keys = sorted(totals)
+    tensor = torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=world.device)
+    dist.all_reduce(tensor)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
+class StepMeter:
+    """The metrics every loop logs per step; throughput and MFU measure the training work only."""
+
+    def __init__(self, model_config, seq_len: int, world: World):
+        self.flops_per_token = flops_per_token(model_config, seq_len)
+        self.peak = peak_flops(torch.cuda.get_device_name(world.device)) if world.device.type == "cuda" else None
+        self.meter = ThroughputMeter()
+        self.world = world
+
+    def step(self, sums: dict, info: dict, grad_norm: float, lr: float, t_data: float, t_train: float) -> dict:
+        """`sums`: the all-reduced statistics of `train_step` (`loss`, `processed_tokens`); `info`: the totals
+        of `next_rows`; `t_data`: the wait for the samples, reported apart from `t_train`."""
+        self.meter.update(t_train, info["tokens"], int(sums["processed_tokens"]))
+        return {
+            "loss": sums["loss"],
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": info["tokens"],
+            "samples": info["samples"],
+            "padding_fraction": 1 - info["tokens"] / max(sums["processed_tokens"], 1),
+            "tokens_per_s": self.meter.tokens_per_s or info["tokens"] / max(t_train, 1e-9),
+            "mfu": self.meter.mfu(self.flops_per_token, self.peak, self.world.world_size) if self.peak else None,
+            "peak_memory_gib": peak_memory_gib(self.world.device),
+            "time_data": t_data,
+            "time_train": t_train,
+        }
