@@ -27,13 +27,11 @@ from pathlib import Path
 from loguru import logger
 from pydantic import Field, model_validator
 
-from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config import CheckpointConfig, EntrypointConfig, ModelConfig
 from prime_rl.config.loader import load_config, to_toml, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator import ckpt as orchestrator_ckpt
-from prime_rl.orchestrator.config import CheckpointConfig as OrchestratorCheckpointConfig
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.trainer.config import CheckpointConfig as TrainerCheckpointConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.health import wait_healthy
@@ -46,25 +44,6 @@ API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 BIN = Path(sys.executable).parent
 
 
-class SharedModelConfig(BaseConfig):
-    name: str
-    """Model for all three processes: hub id or local directory (the trainer's starting weights)."""
-
-
-class SharedCheckpointConfig(BaseConfig):
-    interval: int = Field(50, ge=1)
-    """Trainer and orchestrator checkpoint every this many steps."""
-
-    resume_step: int | None = Field(None, ge=-1)
-    """Resume trainer and orchestrator from this step; -1 = the latest step both saved; None = start fresh."""
-
-    keep_last: int | None = Field(None, ge=1)
-    """Trainer: keep only this many most recent checkpoints."""
-
-    keep_interval: int | None = Field(None, ge=1)
-    """Trainer: also keep every checkpoint whose step is a multiple of this."""
-
-
 class RLConfig(EntrypointConfig):
     trainer: TrainerConfig = TrainerConfig()
     """The trainer (`[trainer]`, or `--trainer @ t.toml`)."""
@@ -75,8 +54,8 @@ class RLConfig(EntrypointConfig):
     inference: InferenceConfig | None = None
     """The inference server to start (`[inference]`); None: use the running servers in `orchestrator.client`."""
 
-    model: SharedModelConfig | None = None
-    """Shared model name, copied into every section."""
+    model: ModelConfig | None = None
+    """Shared model (name, trust_remote_code), copied into every section; the trainer's starting weights."""
 
     max_steps: int | None = Field(None, ge=1)
     """Shared: trainer and orchestrator stop after this step."""
@@ -87,8 +66,9 @@ class RLConfig(EntrypointConfig):
     seq_len: int | None = Field(None, ge=1)
     """Shared: longest sample (orchestrator) and packed row length (trainer)."""
 
-    ckpt: SharedCheckpointConfig | None = None
-    """Shared checkpoints (`--ckpt` enables with defaults)."""
+    ckpt: CheckpointConfig | None = None
+    """Shared checkpoints of trainer and orchestrator (`--ckpt` enables with defaults); `resume_step = -1` is the
+    latest step both saved."""
 
     wandb: WandbConfig | None = None
     """Shared W&B logging: runs `<name>-trainer` and `<name>-orchestrator` in one group (`--wandb` enables)."""
@@ -111,30 +91,25 @@ class RLConfig(EntrypointConfig):
         sections = [("trainer", trainer), ("orchestrator", orch)] + ([("inference", inf)] if inf else [])
         for name, section in sections:
             _share(section, "output_dir", self.output_dir, name, "output_dir")
+        models = [("trainer", trainer.model), ("orchestrator", orch.model)] + (
+            [("inference", inf.model)] if inf else []
+        )
         if self.model is not None:
-            _share(trainer.model, "name", self.model.name, "trainer.model", "model.name")
-            if inf is not None:
-                _share(inf.model, "name", self.model.name, "inference.model", "model.name")
-                _share(orch.model, "name", inf.model.served_name or self.model.name, "orchestrator.model", "model.name")
-            else:
-                _share(orch.model, "name", self.model.name, "orchestrator.model", "model.name")
-            if orch.model.tokenizer is None:  # the served name may be an alias; the tokenizer lives at the path
-                orch.model.tokenizer = self.model.name
+            for key in {"name"} | self.model.model_fields_set:
+                for name, model in models:
+                    _share(model, key, getattr(self.model, key), f"{name}.model", f"model.{key}")
+        if inf is not None and inf.model.served_name is not None:
+            _share(
+                orch.model, "served_name", inf.model.served_name, "orchestrator.model", "inference.model.served_name"
+            )
         for key in ("max_steps", "max_async_level", "seq_len"):
             if getattr(self, key) is not None:
                 _share(trainer, key, getattr(self, key), "trainer", key)
                 _share(orch, key, getattr(self, key), "orchestrator", key)
-        if self.ckpt is not None:
-            c = self.ckpt
-            trainer.ckpt = _merge(trainer.ckpt, TrainerCheckpointConfig, "trainer.ckpt", "ckpt", **c.model_dump())
-            orch.ckpt = _merge(
-                orch.ckpt,
-                OrchestratorCheckpointConfig,
-                "orchestrator.ckpt",
-                "ckpt",
-                interval=c.interval,
-                resume_step=c.resume_step,
-            )
+        if self.ckpt is not None:  # what both halves must agree on always, anything else where it was set
+            shared = self.ckpt.model_dump(include=self.ckpt.model_fields_set | {"interval", "resume_step"})
+            trainer.ckpt = _merge(trainer.ckpt, CheckpointConfig, "trainer.ckpt", "ckpt", **shared)
+            orch.ckpt = _merge(orch.ckpt, CheckpointConfig, "orchestrator.ckpt", "ckpt", **shared)
         if self.wandb is not None:
             shared = self.wandb.model_dump(include=self.wandb.model_fields_set)  # defaults don't override sections
             trainer.wandb = _merge(trainer.wandb, WandbConfig, "trainer.wandb", "wandb", **shared)
@@ -170,21 +145,18 @@ class RLConfig(EntrypointConfig):
                 f"inference.model.name ({inf.model.name!r}) != trainer.model.name ({trainer.model.name!r}); "
                 "set the shared `model.name`"
             )
-        if inf is not None and orch.model.name != (inf.model.served_name or inf.model.name):
+        if inf is not None and orch.model.api_name != inf.model.api_name:
             raise ValueError(
-                f"orchestrator.model.name ({orch.model.name!r}) is not what inference serves "
-                f"({inf.model.served_name or inf.model.name!r}); set the shared `model.name`"
+                f"the orchestrator asks for model {orch.model.api_name!r}, inference serves {inf.model.api_name!r}; "
+                "set the shared `model.name`"
             )
         if (trainer.ckpt is None) != (orch.ckpt is None):
             raise ValueError(
                 "checkpoints must be on for both trainer and orchestrator or neither; use the shared `ckpt`"
             )
-        if trainer.ckpt is not None and (
-            trainer.ckpt.interval != orch.ckpt.interval or trainer.ckpt.resume_step != orch.ckpt.resume_step
-        ):
-            raise ValueError(
-                "trainer.ckpt and orchestrator.ckpt disagree on interval or resume_step; use the shared `ckpt`"
-            )
+        both = ("interval", "resume_step", "keep_last", "keep_interval")
+        if trainer.ckpt is not None and any(getattr(trainer.ckpt, k) != getattr(orch.ckpt, k) for k in both):
+            raise ValueError(f"trainer.ckpt and orchestrator.ckpt disagree on {', '.join(both)}; use the shared `ckpt`")
 
 
 def _client_host(host: str) -> str:

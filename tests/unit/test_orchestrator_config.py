@@ -52,3 +52,18 @@ def test_base_url_takes_one_url_or_several(tmp_path, capsys):
     toml = tmp_path / "o.toml"
     toml.write_text('[client]\nbase_url = "http://c:8000/v1"\n')
     assert urls("@", str(toml)) == ["http://c:8000/v1"]
+
+
+def test_one_model_definition_serves_every_process():
+    """The orchestrator's `name` is the model (its tokenizer), like everyone else's; what requests ask for is
+    `served_name`, which rl takes from the inference section."""
+    from prime_rl.rl import RLConfig
+
+    config = RLConfig(
+        model={"name": "/models/qwen", "trust_remote_code": True}, inference={"model": {"served_name": "policy"}}
+    )
+    orch, inf, trainer = config.orchestrator.model, config.inference.model, config.trainer.model
+    assert orch.name == inf.name == trainer.name == "/models/qwen"
+    assert orch.api_name == inf.api_name == "policy" and inf.served_name == "policy"
+    assert orch.trust_remote_code and inf.trust_remote_code and trainer.trust_remote_code
+    assert RLConfig(model={"name": "m"}).orchestrator.model.api_name == "m"  # no alias: the name itself

@@ -110,3 +110,29 @@ def test_a_checkpoint_still_being_written_keeps_its_broadcast(tmp_path):
         assert published_steps(tmp_path) == [4]
     finally:
         dist.destroy_process_group()
+
+
+def test_orchestrator_checkpoints_follow_the_same_retention(tmp_path):
+    """keep_last 2 + keep_interval 4 over steps 2, 4, 6, 8, 10: 4 and 8 (interval) and 8, 10 (last two) stay; a
+    step directory goes once both halves are gone, and stays while the trainer's half is still there."""
+    from prime_rl.config import CheckpointConfig as Shared
+    from prime_rl.orchestrator import ckpt as orchestrator_ckpt
+
+    config = Shared(interval=2, keep_last=2, keep_interval=4)
+    step_dir(tmp_path, 6).mkdir(parents=True)  # the trainer's half of step 6
+    for step in (2, 4, 6, 8, 10):
+        orchestrator_ckpt.save(tmp_path, orchestrator_ckpt.Progress(step=step), {}, config)
+    assert orchestrator_ckpt.saved_steps(tmp_path) == [4, 8, 10]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10", "step_4", "step_6", "step_8"]
+    assert Shared().kept([1, 2, 3]) == {1, 2, 3}  # keep_last None keeps all
+
+
+def test_rl_shares_one_checkpoint_config_with_both_halves():
+    from prime_rl.rl import RLConfig
+
+    config = RLConfig(model={"name": "m"}, ckpt={"interval": 3, "keep_last": 2, "save_async": True})
+    for half in (config.trainer.ckpt, config.orchestrator.ckpt):
+        assert (half.interval, half.keep_last, half.keep_interval, half.save_async) == (3, 2, None, True)
+    assert config.orchestrator.model.name == config.trainer.model.name == "m"
+    with pytest.raises(ValueError, match="disagree on interval, resume_step, keep_last, keep_interval"):
+        RLConfig(trainer={"ckpt": {"keep_last": 1}}, orchestrator={"ckpt": {}})

@@ -1,3 +1,4 @@
 from prime_rl.config.base import BaseConfig, EntrypointConfig, LogConfig
+from prime_rl.config.sections import CheckpointConfig, ModelConfig, ServedModelConfig
 
-__all__ = ["BaseConfig", "EntrypointConfig", "LogConfig"]
+__all__ = ["BaseConfig", "CheckpointConfig", "EntrypointConfig", "LogConfig", "ModelConfig", "ServedModelConfig"]

@@ -7,7 +7,7 @@ from pydantic import Field, model_validator
 
 from prime_rl.config import EntrypointConfig
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.orchestrator.config import ClientConfig, EnvSpec, ModelConfig, SamplingConfig
+from prime_rl.orchestrator.config import ClientConfig, ClientModelConfig, EnvSpec, SamplingConfig
 
 
 class EvalEnvConfig(EnvSpec):
@@ -21,7 +21,7 @@ class EvalEnvConfig(EnvSpec):
 class RolloutsConfig(EntrypointConfig):
     """What `eval` and `synthesize` share: a model behind one or more endpoints, environments, sampling."""
 
-    model: ModelConfig = ModelConfig()
+    model: ClientModelConfig = ClientModelConfig()
     """The model as the endpoint serves it (name, client-side tokenizer and renderer)."""
 
     client: ClientConfig = ClientConfig()
@@ -64,6 +64,8 @@ class RolloutsConfig(EntrypointConfig):
             raise ValueError(f"env names must be unique, got {names}; set `name` to tell them apart")
         if self.inference is not None:
             self.inference.model.name = self.model.name
+            self.inference.model.served_name = self.model.served_name
+            self.inference.model.trust_remote_code = self.model.trust_remote_code
             self.client.base_url = [f"http://127.0.0.1:{self.inference.server.port}/v1"]
         return self
 

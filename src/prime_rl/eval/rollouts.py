@@ -56,7 +56,7 @@ def plan_jobs(config: RolloutsConfig) -> list[Job]:
     for name, env_tasks in tasks.items():
         if env_tasks.size is None:
             raise ValueError(f"environment {name!r} has an infinite taskset: set num_examples")
-    check_prompts_fit(tasks, config.model.tokenizer or config.model.name, config.seq_len, config.sampling.max_tokens)
+    check_prompts_fit(tasks, config.model, config.seq_len, config.sampling.max_tokens)
     jobs = []
     for env in config.env:
         selected = tasks[env.display_name].items

@@ -8,15 +8,11 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config import BaseConfig, EntrypointConfig, ServedModelConfig
 
 
-class ModelConfig(BaseConfig):
-    name: str = "Qwen/Qwen3-0.6B"
-    """Hugging Face model id or local model directory to serve (also the base weights `/reload_weights` restores)."""
-
-    served_name: str | None = None
-    """Model name clients put in requests; defaults to `name`."""
+class InferenceModelConfig(ServedModelConfig):
+    """`name` is also the base weights `/reload_weights` restores."""
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Weight and activation dtype (vLLM `--dtype`)."""
@@ -26,9 +22,6 @@ class ModelConfig(BaseConfig):
 
     enforce_eager: bool = False
     """Skip torch.compile / CUDA graphs: faster start, slower generation."""
-
-    trust_remote_code: bool = False
-    """Allow custom model code from the model directory or hub."""
 
 
 class ServerConfig(BaseConfig):
@@ -59,7 +52,7 @@ class LoRAConfig(BaseConfig):
 
 
 class InferenceConfig(EntrypointConfig):
-    model: ModelConfig = ModelConfig()
+    model: InferenceModelConfig = InferenceModelConfig()
     """The model to serve."""
 
     server: ServerConfig = ServerConfig()
@@ -94,7 +87,7 @@ class InferenceConfig(EntrypointConfig):
         m = self.model
         args = [
             "--model", m.name,
-            "--served-model-name", m.served_name or m.name,
+            "--served-model-name", m.api_name,
             "--dtype", m.dtype,
             "--host", self.server.host,
             "--port", str(self.server.port),

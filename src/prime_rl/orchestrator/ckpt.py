@@ -5,10 +5,13 @@ atomically, so a directory that exists is complete. `step_n` means batches 1..n 
 orchestrator writes batch n+1 next, which is what a trainer resumed from its step-n checkpoint reads next.
 """
 
+import contextlib
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prime_rl.config import CheckpointConfig
 from prime_rl.utils.fs import atomic_dir
 
 
@@ -48,11 +51,18 @@ def resolve_resume_step(output_dir: Path, requested: int) -> int:
     return requested
 
 
-def save(output_dir: Path, progress: Progress, buffer_state: dict) -> Path:
+def save(output_dir: Path, progress: Progress, buffer_state: dict, config: CheckpointConfig) -> Path:
+    """Write step `progress.step`'s checkpoint, then delete those `config.keep_last` / `keep_interval` drop (as the
+    trainer does with its own, so a step keeps both halves or neither)."""
     target = ckpt_dir(output_dir, progress.step)
     with atomic_dir(target) as tmp:
         (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
         (tmp / "buffer.json").write_text(json.dumps(buffer_state))
+    steps = saved_steps(output_dir)
+    for step in set(steps) - config.kept(steps):
+        shutil.rmtree(ckpt_dir(output_dir, step), ignore_errors=True)
+        with contextlib.suppress(OSError):  # the step's directory, once the trainer's half is gone too
+            ckpt_dir(output_dir, step).parent.rmdir()
     return target
 
 

@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ServedModelConfig
 from prime_rl.orchestrator.buffer import BufferConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -47,12 +47,9 @@ class ClientConfig(BaseConfig):
         return [u.rstrip("/") for u in urls]
 
 
-class ModelConfig(BaseConfig):
-    name: str = "Qwen/Qwen3-0.6B"
-    """Model name the inference servers serve (`--served-model-name`, else the path they loaded)."""
-
-    tokenizer: str | None = None
-    """Hugging Face id or local directory the client-side renderer loads its tokenizer from (default: `name`)."""
+class ClientModelConfig(ServedModelConfig):
+    """The model as a client of the inference servers sees it: `name` is where the client-side renderer loads its
+    tokenizer from (the path or hub id the servers loaded), `served_name` what requests ask for."""
 
     renderer: dict[str, Any] | None = None
     """`renderers` config, e.g. `{name = "qwen3", enable_thinking = false}` (None: chosen from the model name).
@@ -116,14 +113,6 @@ class SamplingConfig(BaseConfig):
     """Sampling seed sent with each request (None: random)."""
 
 
-class CheckpointConfig(BaseConfig):
-    interval: int = Field(50, ge=1)
-    """Save progress and buffer every this many steps (match the trainer's interval)."""
-
-    resume_step: int | None = Field(None, ge=-1)
-    """Resume from this step's checkpoint; -1 = the latest complete one; None = start fresh."""
-
-
 class LogExtrasConfig(BaseConfig):
     interval: int = Field(10, ge=1)
     """Log the extras every this many steps (they are larger than the per-step metrics)."""
@@ -136,7 +125,7 @@ class LogExtrasConfig(BaseConfig):
 
 
 class OrchestratorConfig(EntrypointConfig):
-    model: ModelConfig = ModelConfig()
+    model: ClientModelConfig = ClientModelConfig()
     """The policy being trained, as the inference servers serve it."""
 
     client: ClientConfig = ClientConfig()

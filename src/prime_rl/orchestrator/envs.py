@@ -147,16 +147,16 @@ def prompt_messages(task: dict) -> list[dict]:
     return messages
 
 
-def check_prompts_fit(tasks: dict[str, EnvTasks], tokenizer_name: str, seq_len: int, max_tokens: int | None) -> None:
+def check_prompts_fit(tasks: dict[str, EnvTasks], model, seq_len: int, max_tokens: int | None) -> None:
     """Refuse, before anything starts, environments whose prompts alone fill `seq_len`: every rollout of them would
     be dropped as too long. Checks the first tasks of each environment, rendered with the model's chat template
     (the renderer may differ by a few scaffold tokens, so only a prompt that leaves no room at all is an error)."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+        tokenizer = AutoTokenizer.from_pretrained(model.name, trust_remote_code=model.trust_remote_code)
     except Exception as e:  # a hub id without a hub: the orchestrator's own start will say more
-        logger.warning(f"prompt lengths not checked: tokenizer {tokenizer_name!r} did not load ({e})")
+        logger.warning(f"prompt lengths not checked: tokenizer {model.name!r} did not load ({e})")
         return
     for name, env_tasks in tasks.items():
         lengths = []

@@ -39,8 +39,7 @@ def load_environments(config: OrchestratorConfig) -> dict[str, EnvTasks]:
     """Every environment and its tasks, checked against `seq_len`: a failure here names the environment and the
     cause before any server or worker is touched (`rl` runs this too, before it starts anything)."""
     tasks = load_tasks(config.env, config.seq_len)
-    tokenizer = config.model.tokenizer or config.model.name
-    check_prompts_fit(tasks, tokenizer, config.seq_len, config.sampling.max_tokens)
+    check_prompts_fit(tasks, config.model, config.seq_len, config.sampling.max_tokens)
     return tasks
 
 
@@ -171,7 +170,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
     buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
     progress = ckpt.Progress()
-    resuming = config.ckpt is not None and config.ckpt.resume_step is not None
+    resuming = config.ckpt is not None and config.ckpt.resuming
     if resuming:
         step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
         progress, buffer_state = ckpt.load(output_dir, step)
@@ -228,7 +227,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
             if config.ckpt is not None and step % config.ckpt.interval == 0:
-                logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict())}")
+                logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict(), config.ckpt)}")
         exit_code = 0
     finally:
         lag_task.cancel()

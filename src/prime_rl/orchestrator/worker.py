@@ -328,7 +328,7 @@ class Worker:
             client_cls = vf.TrainClientConfig
             client_args |= {
                 "renderer": config.model.renderer_config(),
-                "renderer_model_name": config.model.tokenizer or config.model.name,
+                "renderer_model_name": config.model.name,
             }
         self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_url}
         self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
@@ -346,7 +346,7 @@ class Worker:
         env = self.envs[request.env]
         task = self.build_task(request.env, request.task)
         ctx = self.vf.ModelContext(
-            model=self.config.model.name, client=self.clients[request.base_url], sampling=self.sampling
+            model=self.config.model.api_name, client=self.clients[request.base_url], sampling=self.sampling
         )
 
         async def one(index: int) -> list[RolloutResult]:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from prime_rl.trainer.config import CheckpointConfig
+from prime_rl.config import CheckpointConfig
 
 COMPLETE = "COMPLETE"
 
@@ -133,12 +133,8 @@ class CheckpointManager:
         return set(complete_steps(self.output_dir, self.name)) | ({pending} if pending is not None else set())
 
     def _prune(self, latest: int) -> None:
-        if self.config.keep_last is None:
-            return
         steps = complete_steps(self.output_dir, self.name)
-        keep = set(steps[-self.config.keep_last :])
-        if self.config.keep_interval:
-            keep |= {s for s in steps if s % self.config.keep_interval == 0}
+        keep = self.config.kept(steps)
         for step in steps:
             if step not in keep and step < latest:
                 shutil.rmtree(step_dir(self.output_dir, step, self.name), ignore_errors=True)

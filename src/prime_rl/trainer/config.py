@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.config import BaseConfig, EntrypointConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
 
@@ -139,10 +139,7 @@ SchedulerConfig = Annotated[
 ]
 
 
-class ModelConfig(BaseConfig):
-    name: str = "Qwen/Qwen3-0.6B"
-    """Hugging Face model id or local directory (loaded with `from_pretrained`)."""
-
+class TrainerModelConfig(ModelConfig):
     random_init: bool = False
     """Use only the architecture and tokenizer of `name` and start from random weights (seeded by `seed`)."""
 
@@ -162,26 +159,6 @@ class ModelConfig(BaseConfig):
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
-    trust_remote_code: bool = False
-    """Allow custom model code from the model directory or hub."""
-
-
-class CheckpointConfig(BaseConfig):
-    interval: int = Field(50, ge=1)
-    """Save a full checkpoint every this many steps (and after the last step)."""
-
-    keep_last: int | None = Field(None, ge=1)
-    """Keep only this many most recent checkpoints (None: keep all)."""
-
-    keep_interval: int | None = Field(None, ge=1)
-    """Also keep every checkpoint whose step is a multiple of this, whatever `keep_last` says."""
-
-    resume_step: int | None = Field(None, ge=-1)
-    """Resume from this step's checkpoint; -1 = the latest complete one; None = start fresh."""
-
-    save_async: bool = False
-    """Write checkpoint files in a background thread; training continues once the state is staged."""
-
 
 class BenchConfig(BaseConfig):
     steps: int = Field(5, ge=2)
@@ -195,7 +172,7 @@ class BenchConfig(BaseConfig):
 
 
 class TrainerConfig(EntrypointConfig):
-    model: ModelConfig = ModelConfig()
+    model: TrainerModelConfig = TrainerModelConfig()
     """The model to train."""
 
     loss: LossConfig = LossConfig()
@@ -236,6 +213,6 @@ class TrainerConfig(EntrypointConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.ckpt is not None and self.ckpt.resume_step is not None and self.bench is not None:
+        if self.ckpt is not None and self.ckpt.resuming and self.bench is not None:
             raise ValueError("--bench runs on fake data and cannot resume from a checkpoint")
         return self

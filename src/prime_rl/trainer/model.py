@@ -4,7 +4,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from prime_rl.trainer.config import ModelConfig
+from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -14,19 +14,19 @@ class SetupError(Exception):
     """A setting that cannot work on this machine."""
 
 
-def check_device(config: ModelConfig, device: torch.device) -> None:
+def check_device(config: TrainerModelConfig, device: torch.device) -> None:
     """Fail before loading anything when the model settings need hardware this process does not have."""
     if config.cpu_offload and device.type != "cuda":
         raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
 
 
-def stored_dtype(config: ModelConfig) -> torch.dtype:
+def stored_dtype(config: TrainerModelConfig) -> torch.dtype:
     """Dtype of the checkpoint (per its config): exported weights go back to it; bfloat16 when it is unusable."""
     arch = AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
     return arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
-def load_model(config: ModelConfig, seed: int) -> PreTrainedModel:
+def load_model(config: TrainerModelConfig, seed: int) -> PreTrainedModel:
     """fp32 master weights on CPU: from the checkpoint, or random (same seed on every rank => same init)."""
     kwargs = dict(dtype=torch.float32, attn_implementation=config.attn, trust_remote_code=config.trust_remote_code)
     if config.random_init:
@@ -49,7 +49,7 @@ def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def shard_model(model: PreTrainedModel, config: ModelConfig, world: World) -> PreTrainedModel:
+def shard_model(model: PreTrainedModel, config: TrainerModelConfig, world: World) -> PreTrainedModel:
     """Activation checkpointing -> compile -> `fully_shard` per decoder layer, then the root."""
     if config.ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import write_resolved_config
 from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume_step
-from prime_rl.trainer.config import ModelConfig
+from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.model import SetupError, check_device, load_model, shard_model, stored_dtype
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -69,7 +69,7 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
         if world.is_main:
             setup_logging(role, config.log.level, config.output_dir / "logs")
             write_resolved_config(config, role)
-            resume = config.ckpt is not None and config.ckpt.resume_step is not None
+            resume = config.ckpt is not None and config.ckpt.resuming
             monitor = Monitor(config.output_dir, role, config.wandb, config.model_dump(mode="json"), resume)
         yield world, monitor
         exit_code = 0
@@ -104,7 +104,7 @@ def claim_output_dir(output_dir: Path, role: str, world: World) -> OutputDirLock
 # The run: model, optimizer, schedule, checkpoints.
 
 
-def load_tokenizer(config: ModelConfig):
+def load_tokenizer(config: TrainerModelConfig):
     return AutoTokenizer.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
 
 
@@ -153,7 +153,7 @@ def build_run(
     scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
     ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, name) if config.ckpt else None
     progress = progress_type()
-    if ckpt is not None and config.ckpt.resume_step is not None:
+    if ckpt is not None and config.ckpt.resuming:
         step = resolve_resume_step(config.output_dir, config.ckpt.resume_step, name)
         progress = ckpt.load(step, model, optimizer, scheduler, progress_type)
         logger.info(f"resumed from step {progress.step} ({progress.tokens} tokens, {progress.samples} samples)")

@@ -9,9 +9,9 @@ from prime_rl.trainer.config import (
     AdamWConfig,
     CheckpointConfig,
     ConstantSchedulerConfig,
-    ModelConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TrainerModelConfig,
 )
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -56,7 +56,7 @@ DataConfig = Annotated[ChatDataConfig | FakeDataConfig, Field(discriminator="typ
 
 
 class SFTConfig(EntrypointConfig):
-    model: ModelConfig = ModelConfig()
+    model: TrainerModelConfig = TrainerModelConfig()
     """The model to fine-tune."""
 
     data: DataConfig = ChatDataConfig()

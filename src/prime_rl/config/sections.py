@@ -1,0 +1,56 @@
+"""Config sections several entry points share: one definition per concept.
+
+Each process extends `ModelConfig` with what only it needs (the trainer its FSDP options, the inference server
+its vLLM options, the orchestrator its renderer); `rl` and the processes share one `CheckpointConfig`.
+"""
+
+from pydantic import Field
+
+from prime_rl.config.base import BaseConfig
+
+
+class ModelConfig(BaseConfig):
+    name: str = "Qwen/Qwen3-0.6B"
+    """Hugging Face model id or local model directory (weights, config and tokenizer, via `from_pretrained`)."""
+
+    trust_remote_code: bool = False
+    """Allow custom model or tokenizer code from the model directory or hub."""
+
+
+class ServedModelConfig(ModelConfig):
+    served_name: str | None = None
+    """The model's name in API requests (vLLM's `--served-model-name`); default: `name`."""
+
+    @property
+    def api_name(self) -> str:
+        return self.served_name or self.name
+
+
+class CheckpointConfig(BaseConfig):
+    interval: int = Field(50, ge=1)
+    """Save a checkpoint every this many steps (the trainer also after its last step)."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """Keep only this many most recent checkpoints (None: keep all)."""
+
+    keep_interval: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of this, whatever `keep_last` says."""
+
+    resume_step: int | None = Field(None, ge=-1)
+    """Resume from this step's checkpoint; -1 = the latest complete one; None = start fresh."""
+
+    save_async: bool = False
+    """Trainer and sft: write checkpoint files in a background thread; training continues once the state is staged."""
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_step is not None
+
+    def kept(self, steps: list[int]) -> set[int]:
+        """Of the saved checkpoint steps (ascending), those `keep_last` and `keep_interval` keep."""
+        if self.keep_last is None:
+            return set(steps)
+        keep = set(steps[-self.keep_last :])
+        if self.keep_interval:
+            keep |= {s for s in steps if s % self.keep_interval == 0}
+        return keep
