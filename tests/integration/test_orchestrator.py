@@ -1,6 +1,7 @@
 """The orchestrator against the real vLLM server on the tiny model: token exactness (in-process worker),
 the async bound with a stand-in trainer, the environment mix, resume, and robustness to failures."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -207,6 +208,23 @@ def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int, before_
     return thread
 
 
+def wait_until(proc: subprocess.Popen, out: Path, condition, timeout: float = 120) -> None:
+    """Poll `condition` while the orchestrator runs; fail with its console if it exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, (out / "console.out").read_text()[-3000:]
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def killed_on_failure(proc: subprocess.Popen):
+    try:
+        yield
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
     try:
         assert proc.wait(timeout) == 0, (out / "console.out").read_text()[-4000:]
@@ -348,16 +366,11 @@ def test_server_restart_mid_run(tied_server):
     proc = start_orchestrator(
         srv, out, "--max-steps", "12", "--max-async-level", "20", "--max-retries", "10", "--batch-size", "16"
     )
-    try:
-        while not batch_path(out, 2).exists():
-            assert proc.poll() is None, (out / "console.out").read_text()[-3000:]
-            time.sleep(0.1)
+    with killed_on_failure(proc):
+        wait_until(proc, out, lambda: batch_path(out, 2).exists(), timeout=300)
         srv.stop()
         time.sleep(2)
         srv.restart()
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
     log = wait_ok(proc, out, 600)
     assert "pausing it until healthy" in log and "back, serving policy step" in log
     rows = metrics(out)
@@ -378,15 +391,9 @@ def test_server_down_during_a_weight_swap(tied_server):
     out = srv.root / "runs" / "swap_down"
     proc = start_orchestrator(srv, out, "--max-async-level", "0", "--max-steps", "3")
     stand_in_trainer(srv, out, proc, 3, before_publish=lambda n: srv.stop() if n == 1 else None)
-    try:
-        deadline = time.monotonic() + 120
-        while "weight swap to policy step 1 failed" not in (out / "console.out").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (out / "console.out").read_text()[-3000:]
-            time.sleep(0.2)
+    with killed_on_failure(proc):
+        wait_until(proc, out, lambda: "weight swap to policy step 1 failed" in (out / "console.out").read_text())
         srv.restart()
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
     log = wait_ok(proc, out, 300)
     assert "back, serving policy step 1" in log
     for n in (2, 3):
