@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reverse-text demo, end to end on a CPU (12 minutes on 2 cores): build a tiny random-init model ->
+# The reverse-text demo, end to end on a CPU (13.5 minutes on 2 cores): build a tiny random-init model ->
 # SFT warm-up -> RL with vLLM, the orchestrator and the torchrun FSDP2 trainer -> held-out eval of all three.
 # Ends with one line: `reverse-text reward: base X, sft Y, rl Z`. Everything lands in outputs/reverse-text/.
 set -euo pipefail

@@ -165,7 +165,7 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     url = config.client.base_url[0].removesuffix("/v1")
     logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
     try:
-        asyncio.run(wait_healthy([url], config.inference_timeout, process=server))
+        asyncio.run(wait_healthy([url], config.inference_timeout, process=server, warn_every=120))
     except BaseException:
         stop_all([server], grace=15.0)
         raise
