@@ -28,7 +28,8 @@ class ServedModelConfig(ModelConfig):
 
 class CheckpointConfig(BaseConfig):
     interval: int = Field(50, ge=1)
-    """Save a checkpoint every this many steps (the trainer also after its last step)."""
+    """Save a checkpoint every this many steps and after the last one (trainer and orchestrator alike, so every
+    step that is kept can be resumed from)."""
 
     keep_last: int | None = Field(None, ge=1)
     """Keep only this many most recent checkpoints (None: keep all)."""
