@@ -392,8 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(RLConfig, "rl", argv)
     for name in {config.trainer.model.name, *([config.inference.model.name] if config.inference else [])}:
         check_model_exists(name)
-    check_environments(config)
     lock = claim_output_dir(config.output_dir)
+    check_environments(config)
     resume_step = resolve_resume(config)
     setup_logging("rl", config.log.level, config.output_dir / "logs")
     write_resolved_config(config, "rl")

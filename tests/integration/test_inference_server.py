@@ -365,14 +365,21 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
         assert "still serving a" in message and "Expecting property name" in message  # vLLM's json.load of the index
         assert generate(srv, max_tokens=12) == a_out and httpx.get(health, timeout=10).status_code == 200
 
-        async def fail_with_a_request_in_flight():
+        # 32 requests of as many tokens as the context allows: ~15k tokens, tens of seconds of generation even on an
+        # idle machine, so they are still running when the swap fails a second or two later (one request of 400
+        # tokens could finish first).
+        longest = 512 - len(srv.prompt_ids)  # the server's max_model_len is 512
+
+        async def fail_with_requests_in_flight():
             body = {
                 "model": str(srv.base),
                 "token_ids": srv.prompt_ids,
-                "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True, "logprobs": 1},
+                "sampling_params": {"temperature": 0.0, "max_tokens": longest, "ignore_eos": True, "logprobs": 1},
             }
-            async with httpx.AsyncClient(timeout=300, headers=srv.headers) as client:
-                in_flight = asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body))
+            async with httpx.AsyncClient(timeout=600, headers=srv.headers) as client:
+                in_flight = [
+                    asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body)) for _ in range(32)
+                ]
                 await asyncio.sleep(1.0)
                 shutil.rmtree(a)  # the trainer pruned it
                 failed = await client.post(f"{srv.url}/update_weights", json={"weight_dir": str(b)})
@@ -386,12 +393,12 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
                     "models": await client.get(f"{srv.url}/v1/models"),
                 }
                 await asyncio.sleep(1.0)
-                state["frozen"] = not in_flight.done()  # no token is generated on unknown weights
+                state["frozen"] = not any(t.done() for t in in_flight)  # no token is generated on unknown weights
                 state["healed"] = await client.post(f"{srv.url}/reload_weights")
-                state["in_flight"] = await in_flight
+                state["in_flight"] = await asyncio.gather(*in_flight)
                 return state
 
-        state = asyncio.run(fail_with_a_request_in_flight())
+        state = asyncio.run(fail_with_requests_in_flight())
         message = short_error(state["failed"], 503)
         assert "restoring a" in message and "does not exist" in message
         assert state["health"].status_code == 503, state["health"].text
@@ -401,12 +408,18 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
             assert "weights are unknown" in short_error(state[route], 503)
         assert state["frozen"]
         assert state["healed"].status_code == 200 and state["healed"].json()["version"] == "base"
-        # The request in flight resumed on the base weights: A's tokens, then base tokens, none unaccounted for.
-        choice = state["in_flight"].json()["choices"][0]
-        spans = choice["weight_versions"]
-        assert [s["version"] for s in spans] == ["a", "base"], spans
-        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
-        assert len(choice["token_ids"]) == 400 and choice["finish_reason"] == "length"
+        # The requests in flight resumed on the base weights: A's tokens, then base tokens, none unaccounted for (a
+        # request the engine had not yet scheduled when it paused has base tokens only).
+        both = 0
+        for response in state["in_flight"]:
+            choice = response.json()["choices"][0]
+            spans = choice["weight_versions"]
+            assert [s["version"] for s in spans] in (["a", "base"], ["base"]), spans
+            assert spans[0]["start"] == 0 and spans[-1]["end"] == longest, spans
+            assert all(x["end"] == y["start"] for x, y in zip(spans, spans[1:], strict=False)), spans
+            assert len(choice["token_ids"]) == longest and choice["finish_reason"] == "length"
+            both += len(spans) == 2
+        assert both > 0  # the pause caught requests mid-generation
         assert httpx.get(health, timeout=10).status_code == 200
     finally:
         healed = admin(srv, "reload_weights")  # leave the shared server healthy and on base weights

@@ -189,11 +189,12 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         tree = run_pids(psutil.Process(proc.pid))
-        if victim == "orchestrator":  # a second run on the same output dir is refused, and touches nothing
-            before = sorted(p.name for p in (out / "rollouts").iterdir())
+        if victim == "orchestrator":  # a second run on the same output dir is refused, and deletes nothing
+            stale = out / "rollouts" / "step_999999"  # what a new run's clean-up would delete; the live run never does
+            stale.mkdir()
             second = subprocess.run([RL, "@", str(config)], capture_output=True, text=True, timeout=120)
             assert second.returncode == 2 and "another rl writes to" in second.stderr, second.stderr
-            assert set(before) <= {p.name for p in (out / "rollouts").iterdir()}
+            assert stale.exists() and proc.poll() is None
         name = victim.removesuffix("-agent").removesuffix("-rank")
         target = psutil.Process(started_pid(log, name))
         if victim == "trainer-rank":
