@@ -136,3 +136,11 @@ def test_rl_shares_one_checkpoint_config_with_both_halves():
     assert config.orchestrator.model.name == config.trainer.model.name == "m"
     with pytest.raises(ValueError, match="disagree on interval, resume_step, keep_last, keep_interval"):
         RLConfig(trainer={"ckpt": {"keep_last": 1}}, orchestrator={"ckpt": {}})
+
+
+def test_trainer_and_orchestrator_save_the_same_steps():
+    """One rule for both halves: every `interval` steps and after the last one (with keep_last, the kept step
+    must have an orchestrator checkpoint beside the trainer's)."""
+    ckpt = CheckpointConfig(interval=3)
+    assert [s for s in range(1, 8) if ckpt.due(s, max_steps=7)] == [3, 6, 7]
+    assert [s for s in range(1, 8) if ckpt.due(s, max_steps=None)] == [3, 6]

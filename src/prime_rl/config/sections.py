@@ -47,6 +47,10 @@ class CheckpointConfig(BaseConfig):
     def resuming(self) -> bool:
         return self.resume_step is not None
 
+    def due(self, step: int, max_steps: int | None) -> bool:
+        """Whether `step` is saved: one rule for trainer and orchestrator, so every kept step has both halves."""
+        return step % self.interval == 0 or step == max_steps
+
     def kept(self, steps: list[int]) -> set[int]:
         """Of the saved checkpoint steps (ascending), those `keep_last` and `keep_interval` keep."""
         if self.keep_last is None:

@@ -226,7 +226,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             log_step(step, metrics, monitor)
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
-            if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == config.max_steps):
+            if config.ckpt is not None and config.ckpt.due(step, config.max_steps):
                 logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict(), config.ckpt)}")
         exit_code = 0
     finally:

@@ -132,7 +132,7 @@ class Run:
 
     def maybe_checkpoint(self, step: int, max_steps: int | None) -> None:
         """Save every `ckpt.interval` steps and after the last one (a collective: every rank calls it)."""
-        if self.ckpt is not None and (step % self.ckpt.config.interval == 0 or step == max_steps):
+        if self.ckpt is not None and self.ckpt.config.due(step, max_steps):
             self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.progress)
 
 
