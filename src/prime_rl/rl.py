@@ -15,19 +15,22 @@ non-zero naming the process, its exit code and the end of its output.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 from loguru import logger
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from prime_rl.config import CheckpointConfig, EntrypointConfig, ModelConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig
 from prime_rl.config.loader import load_config, to_toml, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator import ckpt as orchestrator_ckpt
@@ -42,6 +45,71 @@ from prime_rl.utils.processes import Process, stop_all
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 BIN = Path(sys.executable).parent
+ROLES = ("inference", "orchestrator", "trainer")
+# The multi-node variables of the system we are modelled on, read as the `PRIME_*` variables they stand for
+# (below TOML and flags, like every environment variable).
+SEED_ENV = {
+    "OUTPUT_DIR": "PRIME_OUTPUT_DIR",
+    "INFERENCE_SERVER_IP": "PRIME_DEPLOYMENT__INFERENCE_HOSTS",
+    "INFERENCE_SERVER_API_KEY": "PRIME_DEPLOYMENT__INFERENCE_API_KEY",
+}
+
+
+class DeploymentConfig(BaseConfig):
+    """Which processes this host starts when a run spans several hosts: every host runs `rl` with the same
+    config and its own `roles` (and trainer node rank); `output_dir` must be one shared filesystem."""
+
+    roles: list[Literal["inference", "orchestrator", "trainer"]] = list(ROLES)
+    """The processes `rl` starts here; the others run on other hosts."""
+
+    trainer_nodes: int = Field(1, ge=1)
+    """Nodes of the trainer (torchrun `--nnodes`); each runs `rl` with role `trainer` and its node rank."""
+
+    trainer_node_rank: int = Field(0, ge=0)
+    """This host's trainer node (torchrun `--node-rank`); node 0 hosts the rendezvous."""
+
+    master_addr: str = "127.0.0.1"
+    """Address of trainer node 0, reachable from every trainer node (torchrun `--master-addr`)."""
+
+    master_port: int = Field(29500, ge=1, le=65535)
+    """Rendezvous port on trainer node 0 (torchrun `--master-port`)."""
+
+    inference_hosts: list[str] = []
+    """Inference servers started on other hosts, `host` or `host:port` (port default: `inference.server.port`);
+    env `INFERENCE_SERVER_IP` (comma-separated). The orchestrator spreads groups over them."""
+
+    run_id: str | None = Field(None, pattern=r"^[\w.-]{1,100}$")
+    """Names this launch on every host (new for each launch, e.g. `$SLURM_JOB_ID`); needed when roles are
+    split: trainer hosts start only once the orchestrator's host has prepared the output dir for this run."""
+
+    start_timeout: float = Field(1800.0, gt=0)
+    """Seconds a trainer host waits for the orchestrator's host to prepare the output dir for `run_id`."""
+
+    inference_api_key: SecretStr | None = None
+    """API key of the inference servers (env `INFERENCE_SERVER_API_KEY`); a started server uses it unless
+    `inference.server.api_key` is set, and the orchestrator sends it."""
+
+    @field_validator("inference_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> DeploymentConfig:
+        if not self.roles:
+            raise ValueError("roles is empty: name at least one of inference, orchestrator, trainer")
+        if not self.single_host and "orchestrator" not in self.roles and "trainer" in self.roles and not self.run_id:
+            raise ValueError(
+                "a trainer host without the orchestrator needs deployment.run_id (the same on every host, new for "
+                "each launch, e.g. $SLURM_JOB_ID): it starts once the orchestrator's host has prepared that run"
+            )
+        if self.trainer_node_rank >= self.trainer_nodes:
+            raise ValueError(f"trainer_node_rank {self.trainer_node_rank} >= trainer_nodes {self.trainer_nodes}")
+        return self
+
+    @property
+    def single_host(self) -> bool:
+        return set(self.roles) == set(ROLES) and self.trainer_nodes == 1
 
 
 class RLConfig(EntrypointConfig):
@@ -85,6 +153,9 @@ class RLConfig(EntrypointConfig):
     stop_grace: float = Field(15.0, ge=0)
     """Seconds a stopping process gets after SIGTERM before SIGKILL."""
 
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Multi-host runs: the roles this host starts, trainer nodes, where the inference servers are."""
+
     @model_validator(mode="after")
     def _propagate(self) -> RLConfig:
         trainer, orch, inf = self.trainer, self.orchestrator, self.inference
@@ -114,13 +185,31 @@ class RLConfig(EntrypointConfig):
             shared = self.wandb.model_dump(include=self.wandb.model_fields_set)  # defaults don't override sections
             trainer.wandb = _merge(trainer.wandb, WandbConfig, "trainer.wandb", "wandb", **shared)
             orch.wandb = _merge(orch.wandb, WandbConfig, "orchestrator.wandb", "wandb", **shared)
-        if inf is not None:
+        deploy = self.deployment
+        if inf is not None and deploy.inference_api_key is not None and inf.server.api_key is None:
+            inf.server.api_key = deploy.inference_api_key
+        if deploy.inference_hosts:
+            port = inf.server.port if inf is not None else 8000
+            urls = [f"http://{h if ':' in h else f'{h}:{port}'}/v1" for h in deploy.inference_hosts]
+            _share(orch.client, "base_url", urls, "orchestrator.client", "deployment.inference_hosts")
+        elif inf is not None and "inference" in deploy.roles:
             url = f"http://{_client_host(inf.server.host)}:{inf.server.port}/v1"
             _share(orch.client, "base_url", [url], "orchestrator.client", "inference.server (host, port)")
-            if inf.server.api_key is not None:
-                _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "inference.server.api_key")
+        elif inf is not None and "orchestrator" in deploy.roles:
+            raise ValueError(
+                "the orchestrator runs on this host but inference does not: name the servers in "
+                "deployment.inference_hosts (or INFERENCE_SERVER_IP)"
+            )
+        if self.api_key() is not None:
+            _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
         self._check_agreement()
         return self
+
+    def api_key(self) -> str | None:
+        """The key the inference servers of this run require (None: none)."""
+        key = self.inference.server.api_key if self.inference is not None else None
+        key = key or self.deployment.inference_api_key
+        return key.get_secret_value() if key is not None else None
 
     def _check_agreement(self) -> None:
         """Fields no shared value was given for must still agree between the sections."""
@@ -236,12 +325,12 @@ def check_environments(config: RLConfig) -> None:
         fail(str(e))
 
 
-def claim_output_dir(output_dir: Path) -> OutputDirLock:
+def claim_output_dir(output_dir: Path, name: str, roles: list[str]) -> OutputDirLock:
     """Refuse to start while another run (or a process it left behind) writes to `output_dir`: two trainers or
     orchestrators there would consume each other's batches. Held until `rl` exits; the kernel drops it if we die."""
     try:
-        lock = OutputDirLock(output_dir, "rl")
-        check_free(output_dir, ["trainer", "orchestrator"])
+        lock = OutputDirLock(output_dir, name)
+        check_free(output_dir, roles)
     except OutputDirBusy as e:
         fail(str(e))
     return lock
@@ -294,43 +383,95 @@ def write_section(config, path: Path) -> Path:
     return path
 
 
+def host_tag(config: RLConfig) -> str:
+    """Names this host's files in a shared output dir: '' on one host, else `.<host>` (`.<host>-<port>` for a
+    host serving inference, so several servers on one machine keep apart)."""
+    if config.deployment.single_host:
+        return ""
+    host = socket.gethostname()
+    if "inference" in config.deployment.roles and config.inference is not None:
+        bind = config.inference.server.host
+        return f".{host if bind in ('0.0.0.0', '::', '') else bind}-{config.inference.server.port}"
+    if "trainer" in config.deployment.roles and config.deployment.trainer_nodes > 1:
+        return f".{host}-node{config.deployment.trainer_node_rank}"
+    return f".{host}"
+
+
+def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
+    """torchrun on this host's GPUs: standalone on one node, else a static rendezvous at node 0."""
+    deploy = config.deployment
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(config.trainer_gpu_ids)}"]
+    if deploy.trainer_nodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={deploy.trainer_nodes}",
+            f"--node-rank={deploy.trainer_node_rank}",
+            f"--master-addr={deploy.master_addr}",
+            f"--master-port={deploy.master_port}",
+        ]
+    return cmd + ["-m", "prime_rl.trainer.train", "@", str(trainer_cfg)]
+
+
+def build_processes(config: RLConfig, log_dir: Path, tag: str) -> dict[str, Process]:
+    """The processes of this host's roles, by role (not started)."""
+    out = config.output_dir
+    launch_dir = out / "configs" / f"rl{tag}"
+    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    roles, processes = config.deployment.roles, {}
+    api_key = config.api_key()
+    if config.inference is not None and "inference" in roles:
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
+        if api_key is not None:
+            env["PRIME_SERVER__API_KEY"] = api_key
+        cfg = write_section(config.inference, launch_dir / "inference.toml")
+        cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
+        processes["inference"] = Process("inference", cmd, env, log_dir / f"inference{tag}.out")
+    if "orchestrator" in roles:
+        env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
+        cfg = write_section(config.orchestrator, launch_dir / "orchestrator.toml")
+        cmd = [str(BIN / "orchestrator"), "@", str(cfg)]
+        processes["orchestrator"] = Process("orchestrator", cmd, env, log_dir / f"orchestrator{tag}.out")
+    if "trainer" in roles:
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)), "OMP_NUM_THREADS": "1"}
+        cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
+        processes["trainer"] = Process("trainer", cmd, env, log_dir / f"trainer{tag}.out")
+    return processes
+
+
+def wait_for_inference(config: RLConfig, inference: Process, interrupted: list) -> None:
+    """Until the server started here is healthy; in slices, so Ctrl-C is honoured while vLLM starts."""
+    url = f"http://{_client_host(config.inference.server.host)}:{config.inference.server.port}"
+    logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
+    deadline = time.monotonic() + config.inference_timeout
+    while True:
+        if interrupted:
+            raise KeyboardInterrupt
+        try:
+            slice_ = min(2.0, max(0.1, deadline - time.monotonic()))
+            asyncio.run(wait_healthy([url], slice_, process=inference, warn_every=float("inf")))
+            break
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"inference not healthy after {config.inference_timeout:.0f}s:\n{inference.tail()}"
+                ) from None
+    logger.info("inference is healthy")
+
+
 def launch(config: RLConfig) -> int:
+    """Start this host's roles and supervise them: the run ends when its orchestrator and trainer (those started
+    here) finish; a host that only serves inference runs until it is stopped."""
     out = config.output_dir
     log_dir = out / "logs"
-    launch_dir = out / "configs" / "rl"
-    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    processes: list[Process] = []
-
-    inference = None
-    if config.inference is not None:
-        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
-        if config.inference.server.api_key is not None:
-            env["PRIME_SERVER__API_KEY"] = config.inference.server.api_key.get_secret_value()
-        cfg = write_section(config.inference, launch_dir / "inference.toml")
-        inference = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
-        processes.append(inference)
-
-    orch_env = dict(base_env)
-    if config.inference is not None and config.inference.server.api_key is not None:
-        orch_env[API_KEY_VAR] = config.inference.server.api_key.get_secret_value()
-    orch_cfg = write_section(config.orchestrator, launch_dir / "orchestrator.toml")
-    orchestrator = Process(
-        "orchestrator", [str(BIN / "orchestrator"), "@", str(orch_cfg)], orch_env, log_dir / "orchestrator.out"
-    )
-    trainer_cfg = write_section(config.trainer, launch_dir / "trainer.toml")
-    ranks = len(config.trainer_gpu_ids)
-    trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    trainer_cmd += ["-m", "prime_rl.trainer.train", "@", str(trainer_cfg)]
-    trainer_env = {
-        **base_env,
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)),
-        "OMP_NUM_THREADS": "1",
-    }
-    trainer = Process("trainer", trainer_cmd, trainer_env, log_dir / "trainer.out")
-    processes += [orchestrator, trainer]
+    tag = host_tag(config)
+    processes = build_processes(config, log_dir, tag)
+    inference = processes.get("inference")
+    finishers = [p for role, p in processes.items() if role != "inference"]
 
     stop_following = threading.Event()
-    follower = threading.Thread(target=follow_logs, args=(log_dir, ["orchestrator", "trainer"], stop_following))
+    followed = [role for role in ("orchestrator", "trainer") if role in processes]
+    follower = threading.Thread(target=follow_logs, args=(log_dir, followed, stop_following))
     follower.daemon = True
     interrupted = []
 
@@ -342,37 +483,23 @@ def launch(config: RLConfig) -> int:
     try:
         if inference is not None:
             inference.start()
-            url = config.orchestrator.client.base_url[0].removesuffix("/v1")
-            logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
-            deadline = time.monotonic() + config.inference_timeout
-            while True:  # wait in slices, so Ctrl-C is honoured while vLLM starts
-                if interrupted:
-                    raise KeyboardInterrupt
-                try:
-                    slice_ = min(2.0, max(0.1, deadline - time.monotonic()))
-                    asyncio.run(wait_healthy([url], slice_, process=inference, warn_every=float("inf")))
-                    break
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"inference not healthy after {config.inference_timeout:.0f}s:\n{inference.tail()}"
-                        ) from None
-            logger.info("inference is healthy")
-        orchestrator.start()
-        trainer.start()
+            if finishers:
+                wait_for_inference(config, inference, interrupted)
+        for p in finishers:
+            p.start()
         follower.start()
         while True:
             if interrupted:
                 raise KeyboardInterrupt
-            for p in processes:
+            for p in processes.values():
                 code = p.poll()
                 if code is None or (code == 0 and p is not inference):
                     continue
                 what = "exited" if code == 0 else f"failed with exit code {code}"
                 logger.error(f"{p.name} {what}; stopping the run. Last lines of {p.output}:\n{p.tail()}")
                 return 1
-            if orchestrator.poll() == 0 and trainer.poll() == 0:
-                logger.success(f"run finished: trainer and orchestrator completed (output in {out})")
+            if finishers and all(p.poll() == 0 for p in finishers):
+                logger.success(f"run finished: {' and '.join(p.name for p in finishers)} completed (output in {out})")
                 return 0
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -382,24 +509,84 @@ def launch(config: RLConfig) -> int:
         logger.error(str(e))
         return 1
     finally:
-        stop_all(processes, config.stop_grace)
+        stop_all(list(processes.values()), config.stop_grace)
         stop_following.set()
         if follower.is_alive():
             follower.join(2)
 
 
+def seed_environment(environ: dict[str, str]) -> None:
+    """OUTPUT_DIR, INFERENCE_SERVER_IP, INFERENCE_SERVER_API_KEY (the seed's multi-node variables) set the
+    `PRIME_*` variables they stand for, unless those are set themselves."""
+    for seed, ours in SEED_ENV.items():
+        if seed in environ and ours not in environ:
+            value = environ[seed]
+            if seed == "INFERENCE_SERVER_IP":  # a list field: the environment source reads JSON
+                value = json.dumps([h.strip() for h in value.split(",") if h.strip()])
+            environ[ours] = value
+
+
+def run_marker(output_dir: Path) -> Path:
+    return output_dir / "run.json"
+
+
+def publish_run(config: RLConfig, resume_step: int | None) -> None:
+    """The orchestrator's host, once stale outputs are gone: trainer hosts of this run_id may start."""
+    body = json.dumps({"run_id": config.deployment.run_id, "resume_step": resume_step, "host": socket.gethostname()})
+    write_atomic(run_marker(config.output_dir), body.encode())
+
+
+def wait_for_run(config: RLConfig) -> None:
+    """A trainer host without the orchestrator waits until the output dir is prepared for its run_id: a stale
+    batch left by an earlier run is deleted before our trainer could read it."""
+    path, run_id = run_marker(config.output_dir), config.deployment.run_id
+    deadline = time.monotonic() + config.deployment.start_timeout
+    next_warning = time.monotonic() + 60
+    while True:
+        try:
+            if json.loads(path.read_text()).get("run_id") == run_id:
+                return
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            fail(
+                f"no orchestrator prepared run {run_id!r} in {config.output_dir} within "
+                f"{config.deployment.start_timeout:.0f}s ({path} missing or of another run): is `rl` with role "
+                "orchestrator running with the same run_id and output_dir (a shared filesystem)?"
+            )
+        if time.monotonic() > next_warning:
+            logger.warning(f"still waiting for the orchestrator's host to prepare run {run_id!r} ({path})")
+            next_warning += 60
+        time.sleep(1)
+
+
 def main(argv: list[str] | None = None) -> None:
+    seed_environment(os.environ)
     config, _ = load_config(RLConfig, "rl", argv)
-    for name in {config.trainer.model.name, *([config.inference.model.name] if config.inference else [])}:
+    roles = config.deployment.roles
+    names = {config.trainer.model.name} if "trainer" in roles else set()
+    if config.inference is not None and "inference" in roles:
+        names.add(config.inference.model.name)
+    for name in names:
         check_model_exists(name)
-    lock = claim_output_dir(config.output_dir)
-    check_environments(config)
-    resume_step = resolve_resume(config)
-    setup_logging("rl", config.log.level, config.output_dir / "logs")
-    write_resolved_config(config, "rl")
-    clean_stale_outputs(config.output_dir, resume_step)
+    tag = host_tag(config)
+    writers = ["orchestrator"] if "orchestrator" in roles else []
+    writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
+    lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
+    if "orchestrator" in roles:
+        check_environments(config)
+    resume_step = resolve_resume(config) if "inference" not in roles or len(roles) > 1 else None
+    file_name = config.log.file or f"rl{tag}.log"
+    setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=file_name)
+    write_resolved_config(config, f"rl{tag}")
+    if "orchestrator" in roles:
+        clean_stale_outputs(config.output_dir, resume_step)
+        if not config.deployment.single_host:
+            publish_run(config, resume_step)
+    elif "trainer" in roles:
+        wait_for_run(config)
     if resume_step is not None:
-        logger.info(f"resuming trainer and orchestrator from step {resume_step}")
+        logger.info(f"resuming {' and '.join(r for r in roles if r != 'inference')} from step {resume_step}")
     code = launch(config)
     lock.release()
     sys.exit(code)

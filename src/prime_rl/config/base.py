@@ -8,7 +8,7 @@ Field docstrings are the documentation: ``--help`` prints them.
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -21,6 +21,10 @@ class BaseConfig(BaseModel):
 class LogConfig(BaseConfig):
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the console and of the log file under `{output_dir}/logs/`."""
+
+    file: str | None = Field(None, pattern=r"^[\w.-]+\.log$")
+    """Name of the log file under `{output_dir}/logs/` (default `<process>.log`): `rl` names one per host when
+    several hosts share the output dir."""
 
 
 class EntrypointConfig(BaseSettings):

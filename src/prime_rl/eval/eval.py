@@ -317,7 +317,7 @@ async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, res
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(EvalConfig, "eval", argv)
-    setup_logging("eval", config.log.level, config.output_dir / "logs")
+    setup_logging("eval", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "eval")
     try:
         plan = policies(config)

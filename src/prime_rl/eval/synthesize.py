@@ -75,7 +75,7 @@ async def synthesize(config: SynthesizeConfig, jobs: list[Job]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SynthesizeConfig, "synthesize", argv)
-    setup_logging("synthesize", config.log.level, config.output_dir / "logs")
+    setup_logging("synthesize", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "synthesize")
     try:
         jobs = plan_jobs(config)  # before any server starts: a bad environment config fails in seconds

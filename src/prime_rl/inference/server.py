@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from prime_rl.utils.logging import setup_logging
 
-    setup_logging("inference", config.log.level, config.output_dir / "logs", tee_fds=True)
+    setup_logging("inference", config.log.level, config.output_dir / "logs", tee_fds=True, file_name=config.log.file)
     from loguru import logger
 
     path = write_resolved_config(config, "inference")

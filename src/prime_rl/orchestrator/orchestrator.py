@@ -239,7 +239,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(OrchestratorConfig, "orchestrator", argv)
-    setup_logging("orchestrator", config.log.level, config.output_dir / "logs")
+    setup_logging("orchestrator", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "orchestrator")
     try:
         asyncio.run(orchestrate(config))

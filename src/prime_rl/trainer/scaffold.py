@@ -67,7 +67,7 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
     try:
         lock = claim_output_dir(config.output_dir, role, world)
         if world.is_main:
-            setup_logging(role, config.log.level, config.output_dir / "logs")
+            setup_logging(role, config.log.level, config.output_dir / "logs", file_name=config.log.file)
             write_resolved_config(config, role)
             resume = config.ckpt is not None and config.ckpt.resuming
             monitor = Monitor(config.output_dir, role, config.wandb, config.model_dump(mode="json"), resume)

@@ -61,12 +61,14 @@ def setup_logging(
     log_dir: Path | None = None,
     tee_fds: bool = False,
     console_level: str | None = None,
+    file_name: str | None = None,
 ) -> Path | None:
     """Configure logging once per process; returns the log file path (None without `log_dir`).
 
     With `tee_fds`, the log file receives the raw console output of this process and of every child
     it starts (used by `inference`); otherwise loguru writes the file itself. `console_level` (default: `level`)
-    lets helper processes keep the shared console to warnings while their file gets everything.
+    lets helper processes keep the shared console to warnings while their file gets everything. `file_name`
+    (default `<process>.log`) is the file's name under `log_dir`.
     Calling it again in the same process only reconfigures the sinks (tests do that).
     """
     global _configured
@@ -74,7 +76,7 @@ def setup_logging(
     if log_dir is not None:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_file = log_dir / f"{process}.log"
+        log_file = log_dir / (file_name or f"{process}.log")
         if tee_fds:
             _tee_output(log_file)
     logger.remove()

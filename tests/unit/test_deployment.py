@@ -1,0 +1,115 @@
+"""`rl` across hosts: which processes a host starts, how they find each other, the seed's variables."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from prime_rl.config.loader import load_config
+from prime_rl.rl import API_KEY_VAR, RLConfig, host_tag, publish_run, seed_environment, trainer_command, wait_for_run
+
+INFERENCE = '[inference]\n[inference.server]\nhost = "10.0.0.7"\nport = 8100\n'
+
+
+def rl_config(tmp_path, *flags: str, toml: str = INFERENCE) -> RLConfig:
+    path = tmp_path / "rl.toml"
+    path.write_text(f'output_dir = "{tmp_path / "out"}"\n{toml}')
+    config, _ = load_config(RLConfig, "rl", ["@", str(path), *flags])
+    return config
+
+
+def rl_error(tmp_path, capsys, *flags: str, toml: str = INFERENCE) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        rl_config(tmp_path, *flags, toml=toml)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_one_host_runs_torchrun_standalone(tmp_path):
+    config = rl_config(tmp_path, "--trainer-gpu-ids", "[0, 1]")
+    cmd = trainer_command(config, tmp_path / "t.toml")
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m"]
+    assert host_tag(config) == ""
+
+
+def test_a_trainer_node_joins_node_zeros_rendezvous(tmp_path):
+    flags = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "3", "--deployment.trainer-node-rank"]
+    config = rl_config(tmp_path, *flags, "2", "--deployment.master-addr", "10.0.0.1", "--deployment.run-id", "j7")
+    cmd = trainer_command(config, tmp_path / "t.toml")
+    assert cmd[3:8] == [
+        "--nproc-per-node=1",
+        "--nnodes=3",
+        "--node-rank=2",
+        "--master-addr=10.0.0.1",
+        "--master-port=29500",
+    ]
+    assert cmd[-4:] == ["-m", "prime_rl.trainer.train", "@", str(tmp_path / "t.toml")]
+    assert host_tag(config).endswith("-node2")
+
+
+def test_an_inference_host_names_its_files_by_address_and_port(tmp_path):
+    config = rl_config(tmp_path, "--deployment.roles", "[inference]")
+    assert host_tag(config) == ".10.0.0.7-8100"
+
+
+def test_the_orchestrator_finds_servers_started_elsewhere(tmp_path, capsys, monkeypatch):
+    err = rl_error(tmp_path, capsys, "--deployment.roles", "[orchestrator]")
+    assert "name the servers in deployment.inference_hosts (or INFERENCE_SERVER_IP)" in err
+
+    env = {"INFERENCE_SERVER_IP": "10.0.0.2, 10.0.0.3:9000", "INFERENCE_SERVER_API_KEY": "k-123"}
+    for key, value in seed_environment_of(env | {"OUTPUT_DIR": "/shared/run"}).items():
+        monkeypatch.setenv(key, value)
+    path = tmp_path / "rl.toml"
+    path.write_text(INFERENCE)  # no output_dir in the file: OUTPUT_DIR sets it
+    config, _ = load_config(RLConfig, "rl", ["@", str(path), "--deployment.roles", "[orchestrator]"])
+    assert str(config.output_dir) == "/shared/run" == str(config.orchestrator.output_dir)
+    assert config.orchestrator.client.base_url == ["http://10.0.0.2:8100/v1", "http://10.0.0.3:9000/v1"]
+    assert config.inference.server.api_key.get_secret_value() == "k-123" == config.api_key()
+    assert config.orchestrator.client.api_key_var == API_KEY_VAR
+
+
+def seed_environment_of(env: dict[str, str]) -> dict[str, str]:
+    seed_environment(env)
+    return env
+
+
+def test_seed_variables_do_not_override_our_own():
+    env = {"OUTPUT_DIR": "/a", "PRIME_OUTPUT_DIR": "/b", "INFERENCE_SERVER_IP": "h"}
+    seed_environment(env)
+    assert env["PRIME_OUTPUT_DIR"] == "/b" and env["PRIME_DEPLOYMENT__INFERENCE_HOSTS"] == '["h"]'
+
+
+def test_bad_deployments_are_refused_naming_the_field(tmp_path, capsys):
+    assert "trainer_node_rank 2 >= trainer_nodes 2" in rl_error(
+        tmp_path, capsys, "--deployment.trainer-nodes", "2", "--deployment.trainer-node-rank", "2"
+    )
+    assert "needs deployment.run_id" in rl_error(tmp_path, capsys, "--deployment.roles", "[trainer]")
+    assert "roles is empty" in rl_error(tmp_path, capsys, "--deployment.roles", "[]")
+    assert "deployment.roles" in rl_error(tmp_path, capsys, "--deployment.roles", "[learner]")
+
+
+def test_a_trainer_host_waits_for_its_run_and_gives_up_naming_it(tmp_path, capsys):
+    flags = ["--deployment.roles", "[trainer]", "--deployment.run-id", "job-2", "--deployment.start-timeout", "3"]
+    config = rl_config(tmp_path, *flags)
+    config.output_dir.mkdir(parents=True)
+    (config.output_dir / "run.json").write_text(json.dumps({"run_id": "job-1"}))  # an earlier launch's
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        wait_for_run(config)
+    assert exit_.value.code == 2 and time.monotonic() - started >= 3
+    assert "no orchestrator prepared run 'job-2'" in capsys.readouterr().err
+
+    orchestrator_host = rl_config(
+        tmp_path,
+        "--deployment.roles",
+        "[orchestrator]",
+        "--deployment.run-id",
+        "job-2",
+        "--deployment.inference-hosts",
+        "10.0.0.7",
+    )
+    threading.Timer(1.0, publish_run, args=(orchestrator_host, None)).start()
+    started = time.monotonic()
+    wait_for_run(config)  # returns once the marker names job-2
+    assert 0.9 < time.monotonic() - started < 3

@@ -1,0 +1,228 @@
+"""The Helm chart (deploy/helm/prime-rl), checked without a cluster: the real `helm` CLI lints and renders it,
+every manifest is validated strictly against the Kubernetes 1.33 schemas, the rendered pods are asserted on, and
+every rendered container's command line is parsed by its entry point's own `--dry-run`, so the chart can never
+ship a config our code refuses."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "prime-rl"
+CASES = ["default"] + sorted(p.stem for p in (CHART / "ci").glob("*-values.yaml"))
+KUBE_VERSION = "1.33.0"
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The real helm CLI, downloaded (pinned, checksummed) into the user's cache on first use."""
+    spec = importlib.util.spec_from_file_location("get_helm", ROOT / "scripts" / "get_helm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fetch_helm()
+
+
+def values_args(case: str) -> list[str]:
+    return [] if case == "default" else ["-f", str(CHART / "ci" / f"{case}.yaml")]
+
+
+def render(helm: Path, case: str, *extra: str) -> list[dict]:
+    out = subprocess.run(
+        [str(helm), "template", "exp", str(CHART), "--namespace", "rl", *values_args(case), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def template_error(helm: Path, *extra: str) -> str:
+    out = subprocess.run(
+        [str(helm), "template", "exp", str(CHART), *extra], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0, f"helm template accepted {extra}"
+    return out.stderr
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """Container name -> (container, pod spec) over every workload."""
+    found = {}
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "Job"):
+            pod = doc["spec"]["template"]["spec"]
+            for c in pod["containers"]:
+                found[c["name"]] = (c, pod)
+    return found
+
+
+def env_of(container: dict) -> dict[str, dict | str]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env") or []}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lint_strict(helm, case):
+    out = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), *values_args(case)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_manifest_is_valid_kubernetes_1_33(helm, case):
+    docs = render(helm, case)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)  # raises, naming the field, if invalid
+
+
+def test_the_validator_rejects_a_misspelled_field():
+    """The strict validation above can fail: an unknown field in a Job spec is refused."""
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": {"completionz": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="completionz"):
+        kubernetes_validate.validate(job, KUBE_VERSION, strict=True)
+
+
+def test_values_schema_refuses_unknown_and_mistyped_values(helm):
+    assert "additional properties 'nodez' not allowed" in template_error(helm, "--set", "trainer.nodez=2")
+    assert "'/inference/replicas'" in template_error(helm, "--set-string", "inference.replicas=two")
+    assert "/launcher" in template_error(helm, "--set", "launcher=slurm")
+    assert "additional properties 'imag' not allowed" in template_error(helm, "--set", "imag.tag=x")
+
+
+def test_output_dir_must_be_on_the_shared_volume(helm):
+    err = template_error(helm, "--set", "outputDir=/tmp/outputs")
+    assert "outputDir /tmp/outputs is not on the shared volume (storage.mountPath /data)" in err
+
+
+def test_multi_node_layout(helm):
+    docs = render(helm, "multi-node-values")
+    sts, jobs, services = by_kind(docs, "StatefulSet"), by_kind(docs, "Job"), by_kind(docs, "Service")
+    assert set(sts) == {"exp-inference"} and set(jobs) == {"exp-orchestrator", "exp-trainer"}
+    assert sts["exp-inference"]["spec"]["replicas"] == 2
+
+    trainer_job = jobs["exp-trainer"]["spec"]
+    assert trainer_job["completionMode"] == "Indexed"
+    assert trainer_job["completions"] == trainer_job["parallelism"] == 2
+    assert services["exp-trainer"]["spec"]["clusterIP"] == "None"
+    assert jobs["exp-trainer"]["spec"]["template"]["spec"]["subdomain"] == "exp-trainer"
+
+    pods = containers(docs)
+    trainer, trainer_pod = pods["trainer"]
+    assert trainer["command"] == ["python", "-m", "torch.distributed.run"]
+    assert trainer["args"][:5] == [
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=exp-trainer-0.exp-trainer",
+        "--master-port=29500",
+    ]
+    env = env_of(trainer)
+    assert env["NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert trainer["resources"]["requests"] == {"cpu": "32", "memory": "512Gi", "nvidia.com/gpu": 8}
+    assert trainer["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert trainer_pod["nodeSelector"] == {"pool": "training"}
+
+    orchestrator, _ = pods["orchestrator"]
+    urls = orchestrator["args"][orchestrator["args"].index("--client.base-url") + 1].split(",")
+    assert urls == [f"http://exp-inference-{i}.exp-inference.rl.svc.cluster.local:8000/v1" for i in range(2)]
+    key = {"secretKeyRef": {"name": "prime-rl-keys", "key": "inference-api-key", "optional": True}}
+    assert env_of(orchestrator)["PRIME_RL_INFERENCE_API_KEY"] == key
+
+    inference, inference_pod = pods["inference"]
+    assert env_of(inference)["PRIME_SERVER__API_KEY"] == key
+    assert inference["resources"]["requests"] == {"nvidia.com/gpu": 8}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert inference[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert inference["startupProbe"]["failureThreshold"] * inference["startupProbe"]["periodSeconds"] == 1800
+    assert inference_pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "Secret" not in {d["kind"] for d in docs}  # an existing Secret is named, not created
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_pod_shares_one_volume_and_a_crash_fails_its_pod(helm, case):
+    docs = render(helm, case)
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert len(claims) == 1 and next(iter(claims)) == "exp-data"
+    (pvc,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name, (container, pod) in containers(docs).items():
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["data"]["persistentVolumeClaim"]["claimName"] == "exp-data", name
+        assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"], name
+        assert volumes["shm"]["emptyDir"]["medium"] == "Memory", name
+        words = [*container["command"], *container["args"]]
+        assert not any("sleep" in w or w in ("sh", "bash", "-c") for w in words), f"{name}: {words}"
+    for job in by_kind(docs, "Job").values():
+        assert job["spec"]["backoffLimit"] == 0
+        assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_secret_created_from_values(helm):
+    docs = render(helm, "split-node-values")
+    (secret,) = by_kind(docs, "Secret").values()
+    assert secret["stringData"] == {"wandb-api-key": "not-a-real-key"}
+    rl, _ = containers(docs)["rl"]
+    assert env_of(rl)["WANDB_API_KEY"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert rl["resources"]["limits"] == {"nvidia.com/gpu": 8}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every rendered container's command, parsed by that entry point's own --dry-run.
+
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def entry_point(container: dict) -> tuple[str, list[str]]:
+    """(module:function, argv) of the prime-rl entry point a container runs; torchrun's own flags are dropped."""
+    words = [*container["command"], *container["args"]]
+    if words[:3] == ["python", "-m", "torch.distributed.run"]:
+        module_at = words.index("-m", 3)
+        return f"{words[module_at + 1]}:main", words[module_at + 2 :]
+    return SCRIPTS[words[0]], words[1:]
+
+
+def expand(word: str, env: dict) -> str:
+    """Kubernetes' $(VAR) expansion; values from secrets and the downward API get stand-ins."""
+    stand_in = {"NODE_RANK": "1"}
+    return re.sub(r"\$\((\w+)\)", lambda m: str(env.get(m.group(1)) or stand_in[m.group(1)]), word)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_config_passes_its_entry_points_dry_run(helm, case, tmp_path, monkeypatch, capsys):
+    docs = render(helm, case)
+    (configmap,) = by_kind(docs, "ConfigMap").values()
+    for name, text in configmap["data"].items():
+        (tmp_path / name).write_text(text)
+    for name, (container, _) in containers(docs).items():
+        env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
+        for key, value in env_of(container).items():
+            monkeypatch.setenv(key, value if isinstance(value, str) else "stand-in-secret")
+        target, argv = entry_point(container)
+        argv = [expand(w, env).replace("/etc/prime-rl/", f"{tmp_path}/") for w in argv]
+        module, function = target.split(":")
+        with pytest.raises(SystemExit) as exit_:
+            getattr(importlib.import_module(module), function)([*argv, "--dry-run"])
+        out = capsys.readouterr()
+        assert exit_.value.code == 0, f"{case} {name}: {argv}\n{out.err}"
+        resolved = tomllib.loads(out.out.split("# passed through")[0])
+        assert resolved["output_dir"] == "/data/outputs", name
+        for key in list(env_of(container)):
+            monkeypatch.delenv(key)
