@@ -1,0 +1,198 @@
+"""One run over five simulated hosts: 2 inference servers, 1 orchestrator, a trainer over 2 nodes.
+
+Every host is an `rl` process with the same config and its own `deployment.roles`, sharing one output directory
+as hosts share a filesystem. What listens gets an address of its own: the servers 127.0.0.2 and .3, trainer node
+0's rendezvous .5 (Linux routes all of 127/8 to `lo`; `ip netns` would need veth pairs and CAP_NET_ADMIN, which
+not every CI machine grants). The API key is on. One inference
+server is killed mid-run and started again: the run goes on with the other, and the restarted server is given
+the current policy before it gets work. Every batch is trained once, and no batch uses a policy older than k.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.utils.net import free_port
+
+RL = str(Path(sys.executable).parent / "rl")
+STEPS, K = 8, 1
+HOSTS = {"inference-a": "127.0.0.2", "inference-b": "127.0.0.3", "node0": "127.0.0.5"}
+
+
+def write_config(path: Path, model: Path, out: Path, port: int) -> Path:
+    path.write_text(
+        f"""
+output_dir = "{out}"
+max_steps = {STEPS}
+max_async_level = {K}
+seq_len = 512
+trainer_gpu_ids = [0]
+inference_timeout = 600
+
+[model]
+name = "{model}"
+
+[inference.model]
+max_model_len = 512
+enforce_eager = true
+[inference.server]
+port = {port}
+
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+workers = 1
+weights_poll_interval = 0.2
+[orchestrator.model]
+renderer = {{ name = "qwen3", enable_thinking = false }}
+[orchestrator.sampling]
+max_tokens = 12
+[[orchestrator.env]]
+id = "reverse-text"
+
+[trainer.optim]
+lr = 1e-3
+"""
+    )
+    return path
+
+
+class Host:
+    """One simulated host: `rl` with some roles, its console in `<name>.console`."""
+
+    def __init__(self, name: str, config: Path, flags: list[str], env: dict[str, str]):
+        self.name, self.config, self.flags, self.env = name, config, flags, env
+        self.console = config.parent / f"{name}.console"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [RL, "@", str(self.config), *self.flags],
+            stdout=open(self.console, "a"),
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL to `rl` alone, as when a machine dies: what it started must die with it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wait_until(condition, timeout: float, what: str, hosts: list[Host]) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for host in hosts:
+            if host.proc is not None and host.proc.poll() not in (None, 0):
+                pytest.fail(f"{host.name} exited {host.proc.returncode} while waiting for {what}:\n" + tail(host))
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout:.0f}s:\n" + "\n".join(tail(h) for h in hosts))
+        time.sleep(1)
+
+
+def tail(host: Host, chars: int = 3000) -> str:
+    text = host.console.read_text(errors="replace") if host.console.exists() else ""
+    return f"--- {host.name} ---\n{text[-chars:]}"
+
+
+def metrics(out: Path, process: str) -> list[dict]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [m for m in map(json.loads, lines) if m["process"] == process]
+
+
+@pytest.mark.slow
+def test_rl_over_five_hosts_survives_losing_an_inference_server(tmp_path):
+    model = build_tiny_model(TinyModelConfig(output=tmp_path / "model", tie_word_embeddings=True))
+    out = tmp_path / "shared" / "run"
+    port, master_port = free_port(), free_port()
+    config = write_config(tmp_path / "rl.toml", model, out, port)
+    base = {**os.environ, "INFERENCE_SERVER_API_KEY": "multi-host-key", "GLOO_SOCKET_IFNAME": "lo"}
+    trainer = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "2", "--deployment.run-id", "t1"]
+    trainer += ["--deployment.master-addr", HOSTS["node0"], "--deployment.master-port", str(master_port)]
+
+    def inference(name: str, core: int) -> Host:
+        flags = ["--deployment.roles", "[inference]", "--inference.server.host", HOSTS[name]]
+        return Host(name, config, flags, {**base, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+
+    server_a, server_b = inference("inference-a", 0), inference("inference-b", 1)
+    servers = f"{HOSTS['inference-a']},{HOSTS['inference-b']}"
+    orchestrator = Host(
+        "orchestrator",
+        config,
+        ["--deployment.roles", "[orchestrator]", "--deployment.run-id", "t1"],
+        {**base, "INFERENCE_SERVER_IP": servers},
+    )
+    nodes = [Host(f"node{r}", config, [*trainer, "--deployment.trainer-node-rank", str(r)], base) for r in (0, 1)]
+    hosts = [server_a, server_b, orchestrator, *nodes]
+    b_log = out / "logs" / f"inference.{HOSTS['inference-b']}-{port}.log"
+    try:
+        for host in [*nodes, server_a, server_b, orchestrator]:  # trainer nodes first: they wait for the run
+            host.start()
+        wait_until(lambda: len(metrics(out, "trainer")) >= 2, 900, "trainer step 2", hosts)
+
+        server_b.kill()
+        assert wait_gone(b_log), "inference-b's vLLM outlived its rl"
+        before = b_log.stat().st_size
+        server_b.start()
+        wait_until(lambda: "serving policy step" in orchestrator_log(out), 600, "inference-b back in rotation", hosts)
+
+        wait_until(
+            lambda: orchestrator.proc.poll() == 0 and all(n.proc.poll() == 0 for n in nodes),
+            900,
+            "the run's end",
+            hosts,
+        )
+    finally:
+        for host in hosts:
+            host.stop()
+
+    trained = metrics(out, "trainer")
+    assert [m["step"] for m in trained] == list(range(1, STEPS + 1))  # every batch once, in order, on one trainer
+    for m in trained:
+        assert m["policy_version/min"] >= m["step"] - 1 - K and m["policy_version/max"] <= m["step"] - 1, m
+    # The restarted server was given the current policy before it generated anything.
+    after = b_log.read_text(errors="replace")[before:]
+    requests = re.findall(r'"POST (/update_weights|/inference/v1/generate|/v1/chat/completions) HTTP', after)
+    assert requests and requests[0] == "/update_weights", requests[:5]
+    assert "/inference/v1/generate" in requests or "/v1/chat/completions" in requests  # and then got work
+    # Per-host files in the shared dir: one log per server, one console per trainer node.
+    logs = {p.name for p in (out / "logs").iterdir()}
+    assert {f"inference.{HOSTS['inference-a']}-{port}.log", b_log.name, "orchestrator.log", "trainer.log"} <= logs
+
+
+def orchestrator_log(out: Path) -> str:
+    path = out / "logs" / "orchestrator.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_gone(log: Path, timeout: float = 60) -> bool:
+    """The killed server's port stops answering (its vLLM died with its `rl`)."""
+    host, port = re.search(r"inference\.([\d.]+)-(\d+)\.log", log.name).groups()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://{host}:{port}/health", timeout=2)
+        except httpx.TransportError:
+            return True
+        time.sleep(1)
+    return False
