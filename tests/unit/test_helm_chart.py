@@ -47,9 +47,7 @@ def render(helm: Path, case: str, *extra: str) -> list[dict]:
 
 
 def template_error(helm: Path, *extra: str) -> str:
-    out = subprocess.run(
-        [str(helm), "template", "exp", str(CHART), *extra], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([str(helm), "template", "exp", str(CHART), *extra], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0, f"helm template accepted {extra}"
     return out.stderr
 
