@@ -5,7 +5,6 @@ ship a config our code refuses."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import re
 import subprocess
@@ -107,6 +106,11 @@ def test_output_dir_must_be_on_the_shared_volume(helm):
     assert "outputDir /tmp/outputs is not on the shared volume (storage.mountPath /data)" in err
 
 
+def flag(container: dict, name: str) -> str:
+    args = container["args"]
+    return args[args.index(name) + 1]
+
+
 def test_multi_node_layout(helm):
     docs = render(helm, "multi-node-values")
     sts, jobs, services = by_kind(docs, "StatefulSet"), by_kind(docs, "Job"), by_kind(docs, "Service")
@@ -120,15 +124,17 @@ def test_multi_node_layout(helm):
     assert jobs["exp-trainer"]["spec"]["template"]["spec"]["subdomain"] == "exp-trainer"
 
     pods = containers(docs)
+    for name, (container, _) in pods.items():  # every pod: one `rl`, one config, this launch's id, its role
+        assert container["command"] == ["rl"] and container["args"][:2] == ["@", "/etc/prime-rl/rl.toml"], name
+        assert (
+            flag(container, "--deployment.run-id") == "exp-1" and flag(container, "--deployment.roles") == f"[{name}]"
+        )
+
     trainer, trainer_pod = pods["trainer"]
-    assert trainer["command"] == ["python", "-m", "torch.distributed.run"]
-    assert trainer["args"][:5] == [
-        "--nnodes=2",
-        "--nproc-per-node=8",
-        "--node-rank=$(NODE_RANK)",
-        "--master-addr=exp-trainer-0.exp-trainer",
-        "--master-port=29500",
-    ]
+    assert flag(trainer, "--deployment.trainer-nodes") == "2"
+    assert flag(trainer, "--deployment.trainer-node-rank") == "$(NODE_RANK)"
+    assert flag(trainer, "--deployment.master-addr") == "exp-trainer-0.exp-trainer"
+    assert flag(trainer, "--trainer-gpu-ids") == "[0,1,2,3,4,5,6,7]"
     env = env_of(trainer)
     assert env["NODE_RANK"] == {
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
@@ -139,13 +145,14 @@ def test_multi_node_layout(helm):
     assert trainer_pod["nodeSelector"] == {"pool": "training"}
 
     orchestrator, _ = pods["orchestrator"]
-    urls = orchestrator["args"][orchestrator["args"].index("--client.base-url") + 1].split(",")
-    assert urls == [f"http://exp-inference-{i}.exp-inference.rl.svc.cluster.local:8000/v1" for i in range(2)]
+    hosts = flag(orchestrator, "--deployment.inference-hosts").split(",")
+    assert hosts == [f"exp-inference-{i}.exp-inference.rl.svc.cluster.local:8000" for i in range(2)]
     key = {"secretKeyRef": {"name": "prime-rl-keys", "key": "inference-api-key", "optional": True}}
-    assert env_of(orchestrator)["PRIME_RL_INFERENCE_API_KEY"] == key
+    assert env_of(orchestrator)["INFERENCE_SERVER_API_KEY"] == key
 
     inference, inference_pod = pods["inference"]
-    assert env_of(inference)["PRIME_SERVER__API_KEY"] == key
+    assert env_of(inference)["INFERENCE_SERVER_API_KEY"] == key
+    assert flag(inference, "--inference.server.host") == "0.0.0.0"
     assert inference["resources"]["requests"] == {"nvidia.com/gpu": 8}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert inference[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -183,44 +190,42 @@ def test_secret_created_from_values(helm):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Every rendered container's command, parsed by that entry point's own --dry-run.
-
-SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-
-
-def entry_point(container: dict) -> tuple[str, list[str]]:
-    """(module:function, argv) of the prime-rl entry point a container runs; torchrun's own flags are dropped."""
-    words = [*container["command"], *container["args"]]
-    if words[:3] == ["python", "-m", "torch.distributed.run"]:
-        module_at = words.index("-m", 3)
-        return f"{words[module_at + 1]}:main", words[module_at + 2 :]
-    return SCRIPTS[words[0]], words[1:]
+# Every rendered container's command, parsed by `rl`'s own --dry-run.
 
 
 def expand(word: str, env: dict) -> str:
-    """Kubernetes' $(VAR) expansion; values from secrets and the downward API get stand-ins."""
-    stand_in = {"NODE_RANK": "1"}
-    return re.sub(r"\$\((\w+)\)", lambda m: str(env.get(m.group(1)) or stand_in[m.group(1)]), word)
+    """Kubernetes' $(VAR) expansion over the container's plain env values."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], word)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_container_config_passes_its_entry_points_dry_run(helm, case, tmp_path, monkeypatch, capsys):
+    from prime_rl.rl import main as rl_main
+
     docs = render(helm, case)
     (configmap,) = by_kind(docs, "ConfigMap").values()
     for name, text in configmap["data"].items():
         (tmp_path / name).write_text(text)
     for name, (container, _) in containers(docs).items():
+        assert container["command"] == ["rl"], name
         env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
+        if name == "trainer":  # from the downward API: the last node's rank stands in
+            env["NODE_RANK"] = str(int(flag(container, "--deployment.trainer-nodes")) - 1)
         for key, value in env_of(container).items():
             monkeypatch.setenv(key, value if isinstance(value, str) else "stand-in-secret")
-        target, argv = entry_point(container)
-        argv = [expand(w, env).replace("/etc/prime-rl/", f"{tmp_path}/") for w in argv]
-        module, function = target.split(":")
+        argv = [expand(w, env).replace("/etc/prime-rl/", f"{tmp_path}/") for w in container["args"]]
         with pytest.raises(SystemExit) as exit_:
-            getattr(importlib.import_module(module), function)([*argv, "--dry-run"])
+            rl_main([*argv, "--dry-run"])
         out = capsys.readouterr()
         assert exit_.value.code == 0, f"{case} {name}: {argv}\n{out.err}"
-        resolved = tomllib.loads(out.out.split("# passed through")[0])
+        resolved = tomllib.loads(out.out)
         assert resolved["output_dir"] == "/data/outputs", name
+        roles = resolved["deployment"]["roles"]
+        assert roles == (["inference", "orchestrator", "trainer"] if name == "rl" else [name])
+        if name == "orchestrator":
+            replicas = len(flag(container, "--deployment.inference-hosts").split(","))
+            assert len(resolved["orchestrator"]["client"]["base_url"]) == replicas
+        if name == "trainer":
+            assert resolved["deployment"]["trainer_node_rank"] == int(env["NODE_RANK"])
         for key in list(env_of(container)):
             monkeypatch.delenv(key)

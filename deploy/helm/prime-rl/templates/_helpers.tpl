@@ -27,14 +27,29 @@ app.kubernetes.io/component: {{ .role }}
 {{- .Values.storage.existingClaim | default (printf "%s-data" (include "prime-rl.fullname" .)) -}}
 {{- end -}}
 
-{{/* The inference servers' OpenAI base URLs, comma-separated: one per replica, by stable pod DNS name. */}}
-{{- define "prime-rl.inferenceUrls" -}}
+{{/* The inference servers, host:port, comma-separated: one per replica, by stable pod DNS name. */}}
+{{- define "prime-rl.inferenceHosts" -}}
 {{- $name := include "prime-rl.fullname" . -}}
-{{- $urls := list -}}
+{{- $hosts := list -}}
 {{- range $i := until (int .Values.inference.replicas) -}}
-{{- $urls = append $urls (printf "http://%s-inference-%d.%s-inference.%s.svc.cluster.local:%d/v1" $name $i $name $.Release.Namespace (int $.Values.inference.port)) -}}
+{{- $hosts = append $hosts (printf "%s-inference-%d.%s-inference.%s.svc.cluster.local:%d" $name $i $name $.Release.Namespace (int $.Values.inference.port)) -}}
 {{- end -}}
-{{- join "," $urls -}}
+{{- join "," $hosts -}}
+{{- end -}}
+
+{{/* rl's command line up to the role flags: the config, the shared dir, this launch's id. */}}
+{{- define "prime-rl.rlArgs" -}}
+- "@"
+- /etc/prime-rl/rl.toml
+- --output-dir
+- {{ .Values.outputDir | quote }}
+- --deployment.run-id
+- {{ printf "%s-%d" .Release.Name .Release.Revision | quote }}
+{{- end -}}
+
+{{/* "[0,1,...,n-1]": the GPUs (or CPU ranks) of a container. */}}
+{{- define "prime-rl.ids" -}}
+[{{ join "," (until (int .)) }}]
 {{- end -}}
 
 {{/* Environment every container gets: the keys from the Secret (optional keys: an existing Secret may hold one). */}}
@@ -43,7 +58,7 @@ app.kubernetes.io/component: {{ .role }}
 - name: WANDB_API_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "prime-rl.secretName" . }}, key: wandb-api-key, optional: true}
-- name: PRIME_RL_INFERENCE_API_KEY
+- name: INFERENCE_SERVER_API_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "prime-rl.secretName" . }}, key: inference-api-key, optional: true}
 {{- end }}
