@@ -6,10 +6,12 @@ ship a config our code refuses."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import tomllib
 from pathlib import Path
+from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -215,7 +217,8 @@ def test_every_container_config_passes_its_entry_points_dry_run(helm, case, tmp_
             monkeypatch.setenv(key, value if isinstance(value, str) else "stand-in-secret")
         argv = [expand(w, env).replace("/etc/prime-rl/", f"{tmp_path}/") for w in container["args"]]
         with pytest.raises(SystemExit) as exit_:
-            rl_main([*argv, "--dry-run"])
+            with mock.patch.dict(os.environ):  # rl maps the seed's variables into os.environ
+                rl_main([*argv, "--dry-run"])
         out = capsys.readouterr()
         assert exit_.value.code == 0, f"{case} {name}: {argv}\n{out.err}"
         resolved = tomllib.loads(out.out)

@@ -8,6 +8,7 @@ import subprocess
 import time
 import tomllib
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -65,7 +66,8 @@ def node_commands(env: dict[str, str], nodelist: str, **extra: str) -> list[tupl
 def dry_run(argv: list[str], capsys) -> dict:
     assert argv[0] == "rl"
     with pytest.raises(SystemExit) as exit_:
-        rl_main([*argv[1:], "--dry-run"])
+        with mock.patch.dict(os.environ):  # rl maps the seed's variables into os.environ
+            rl_main([*argv[1:], "--dry-run"])
     out = capsys.readouterr()
     assert exit_.value.code == 0, out.err
     return tomllib.loads(out.out)
