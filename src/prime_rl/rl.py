@@ -424,7 +424,9 @@ def build_processes(config: RLConfig, log_dir: Path, tag: str) -> dict[str, Proc
         env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
         if api_key is not None:
             env["PRIME_SERVER__API_KEY"] = api_key
-        cfg = write_section(config.inference, launch_dir / "inference.toml")
+        # The key goes by environment: the file would hold it masked, and a file value beats the environment.
+        keyless = config.inference.server.model_copy(update={"api_key": None})
+        cfg = write_section(config.inference.model_copy(update={"server": keyless}), launch_dir / "inference.toml")
         cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
         processes["inference"] = Process("inference", cmd, env, log_dir / f"inference{tag}.out")
     if "orchestrator" in roles:

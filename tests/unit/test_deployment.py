@@ -3,6 +3,7 @@
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,29 @@ def test_a_trainer_host_waits_for_its_run_and_gives_up_naming_it(tmp_path, capsy
     started = time.monotonic()
     wait_for_run(config)  # returns once the marker names job-2
     assert 0.9 < time.monotonic() - started < 3
+
+
+def test_a_started_server_gets_its_key_by_environment_not_as_a_masked_file_value(tmp_path, monkeypatch):
+    """The launch config of `inference` is written with secrets masked; a masked key in the file would beat the
+    environment and the server would require the literal mask (every orchestrator request then gets 401)."""
+    from prime_rl.rl import build_processes
+
+    monkeypatch.setenv("PRIME_DEPLOYMENT__INFERENCE_API_KEY", "k-9")
+    config = rl_config(tmp_path)
+    processes = build_processes(config, tmp_path / "logs", "")
+    inference_toml = Path(processes["inference"].cmd[2]).read_text()
+    assert "api_key" not in inference_toml and "*****" not in inference_toml
+    assert processes["inference"].env["PRIME_SERVER__API_KEY"] == "k-9"
+    assert processes["orchestrator"].env[API_KEY_VAR] == "k-9"
+
+
+def test_rollout_workers_close_before_they_started(tmp_path):
+    """A run failing before its workers were needed (a server refusing the first weights) reports that failure,
+    not `can only join a started process` from closing workers that never started."""
+    import asyncio
+
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.worker import RolloutWorkers
+
+    workers = RolloutWorkers(OrchestratorConfig(output_dir=tmp_path), tmp_path, "info")
+    asyncio.run(workers.close(grace=0.1))

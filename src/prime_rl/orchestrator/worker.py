@@ -517,6 +517,8 @@ class RolloutWorkers:
                 await self.socket.send_multipart([identity, self.encoder.encode(Shutdown())])
         deadline = time.monotonic() + grace
         for process in self.processes:
+            if process.pid is None:  # never started (the run failed before the workers were needed)
+                continue
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
