@@ -106,7 +106,7 @@ class InferenceServers:
                 if isinstance(result, ServerError):
                     raise result
                 if isinstance(result, httpx.HTTPError):
-                    self.mark_failed(url, f"weight swap to policy step {step} failed: {result}")
+                    self.mark_failed(url, f"weight swap to policy step {step} failed: {result!r}")
                 elif isinstance(result, BaseException):
                     raise result
             seconds = time.perf_counter() - start

@@ -12,7 +12,7 @@ from pathlib import Path
 from loguru import logger
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGTERM the child if `rl` itself dies (even by SIGKILL), so nothing of the run outlives it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -37,7 +37,7 @@ class Process:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         logger.info(f"started {self.name} (pid {self.proc.pid}): {' '.join(self.cmd)}")
 
