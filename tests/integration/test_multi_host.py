@@ -1,9 +1,8 @@
 """One run over five simulated hosts: 2 inference servers, 1 orchestrator, a trainer over 2 nodes.
 
 Every host is an `rl` process with the same config and its own `deployment.roles`, sharing one output directory
-as hosts share a filesystem. What listens gets an address of its own: the servers 127.0.0.2 and .3, trainer node
-0's rendezvous .5 (Linux routes all of 127/8 to `lo`; `ip netns` would need veth pairs and CAP_NET_ADMIN, which
-not every CI machine grants). The API key is on. One inference
+as hosts share a filesystem, on an address of its own: a network namespace per host joined by veth pairs to a
+bridge where the machine allows it, else 127.0.0.2, .3, ... (chosen at run time; the test prints which ran). The API key is on. One inference
 server is killed mid-run and started again: the run goes on with the other, and the restarted server is given
 the current policy before it gets work. Every batch is trained once, and no batch uses a policy older than k.
 (A step takes about a second here and vLLM a minute or two to restart, so the run is stopped once the server is
@@ -28,7 +27,7 @@ from prime_rl.utils.processes import die_with_parent
 
 RL = str(Path(sys.executable).parent / "rl")
 STEPS, K = 500, 1  # a bound: the test stops the run once the restarted server has rejoined and served
-HOSTS = {"inference-a": "127.0.0.2", "inference-b": "127.0.0.3", "node0": "127.0.0.5"}
+NAMES = ["inference-a", "inference-b", "orchestrator", "node0", "node1"]
 
 
 def write_config(path: Path, model: Path, out: Path, port: int) -> Path:
@@ -69,17 +68,83 @@ lr = 1e-3
     return path
 
 
+class Network:
+    """Addresses for the simulated hosts. Network namespaces joined by veth pairs to a bridge where the machine
+    allows it (root with CAP_NET_ADMIN, and the bridge forwards), else distinct loopback addresses: Linux routes
+    all of 127/8 to `lo`. `kind` says which; `prefix(host)` runs a command on that host."""
+
+    SUBNET = "10.231.{}.{}"
+
+    def __init__(self, names: list[str]):
+        self.names, self.kind, self.addr, self.links = names, "loopback", {}, []
+        tag = f"{os.getpid() % 250}"
+        self.bridge, self.namespaces = f"prl{tag}br", {n: f"prl{tag}-{n}" for n in names}
+        try:
+            self._build(tag)
+            self.kind = "netns"
+        except (subprocess.CalledProcessError, OSError, AssertionError) as e:
+            self.teardown()
+            self.reason = str(e)[:200]
+            self.addr = {n: f"127.0.0.{i + 2}" for i, n in enumerate(names)}
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def _build(self, tag: str) -> None:
+        subnet = int(tag)
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self.links.append(self.bridge)
+        self._ip("addr", "add", self.SUBNET.format(subnet, 1) + "/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for i, name in enumerate(self.names):
+            ns, outer = self.namespaces[name], f"prl{tag}v{i}"
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self.links.append(outer)
+            self._ip("link", "set", outer, "master", self.bridge, "up")
+            self.addr[name] = self.SUBNET.format(subnet, 10 + i)
+            for args in (
+                ("addr", "add", self.addr[name] + "/24", "dev", "eth0"),
+                ("link", "set", "eth0", "up"),
+                ("link", "set", "lo", "up"),
+            ):
+                self._ip("netns", "exec", ns, "ip", *args)
+        # The bridge must actually forward (a firewall may drop bridged traffic): one namespace reaches another.
+        first, second = self.names[0], self.names[1]
+        probe = subprocess.run(
+            [
+                *self.prefix(first),
+                "python3",
+                "-c",
+                f"import socket; socket.create_connection(('{self.addr[second]}', 9), 2)",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        assert "refused" in probe.stderr.lower(), f"no route between namespaces: {probe.stderr[-200:]}"
+
+    def prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[name]] if self.kind == "netns" else []
+
+    def teardown(self) -> None:
+        for ns in self.namespaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=10)
+
+
 class Host:
     """One simulated host: `rl` with some roles, its console in `<name>.console`."""
 
-    def __init__(self, name: str, config: Path, flags: list[str], env: dict[str, str]):
-        self.name, self.config, self.flags, self.env = name, config, flags, env
+    def __init__(self, name: str, config: Path, flags: list[str], env: dict[str, str], prefix: list[str]):
+        self.name, self.config, self.flags, self.env, self.prefix = name, config, flags, env, prefix
         self.console = config.parent / f"{name}.console"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [RL, "@", str(self.config), *self.flags],
+            [*self.prefix, RL, "@", str(self.config), *self.flags],
             stdout=open(self.console, "a"),
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -125,30 +190,42 @@ def metrics(out: Path, process: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_rl_over_five_hosts_survives_losing_an_inference_server(tmp_path):
+def test_rl_over_five_hosts_survives_losing_an_inference_server(tmp_path, capsys):
+    network = Network(NAMES)
+    try:
+        with capsys.disabled():
+            why = "" if network.kind == "netns" else f" (network namespaces unavailable: {network.reason})"
+            print(f"\nsimulated hosts: {network.kind}{why}: {network.addr}")
+        run_five_hosts(tmp_path, network)
+    finally:
+        network.teardown()
+
+
+def run_five_hosts(tmp_path: Path, network: Network) -> None:
+    addr = network.addr
     model = build_tiny_model(TinyModelConfig(output=tmp_path / "model", tie_word_embeddings=True))
     out = tmp_path / "shared" / "run"
     port, master_port = free_port(), free_port()
     config = write_config(tmp_path / "rl.toml", model, out, port)
-    base = {**os.environ, "INFERENCE_SERVER_API_KEY": "multi-host-key", "GLOO_SOCKET_IFNAME": "lo"}
+    ifname = "eth0" if network.kind == "netns" else "lo"
+    base = {**os.environ, "INFERENCE_SERVER_API_KEY": "multi-host-key", "GLOO_SOCKET_IFNAME": ifname}
     trainer = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "2", "--deployment.run-id", "t1"]
-    trainer += ["--deployment.master-addr", HOSTS["node0"], "--deployment.master-port", str(master_port)]
+    trainer += ["--deployment.master-addr", addr["node0"], "--deployment.master-port", str(master_port)]
+
+    def host(name: str, flags: list[str], env: dict[str, str]) -> Host:
+        return Host(name, config, flags, env, network.prefix(name))
 
     def inference(name: str, core: int) -> Host:
-        flags = ["--deployment.roles", "[inference]", "--inference.server.host", HOSTS[name]]
-        return Host(name, config, flags, {**base, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+        flags = ["--deployment.roles", "[inference]", "--inference.server.host", addr[name]]
+        return host(name, flags, {**base, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
 
     server_a, server_b = inference("inference-a", 0), inference("inference-b", 1)
-    servers = f"{HOSTS['inference-a']},{HOSTS['inference-b']}"
-    orchestrator = Host(
-        "orchestrator",
-        config,
-        ["--deployment.roles", "[orchestrator]", "--deployment.run-id", "t1"],
-        {**base, "INFERENCE_SERVER_IP": servers},
-    )
-    nodes = [Host(f"node{r}", config, [*trainer, "--deployment.trainer-node-rank", str(r)], base) for r in (0, 1)]
+    servers = f"{addr['inference-a']},{addr['inference-b']}"
+    orchestrator_flags = ["--deployment.roles", "[orchestrator]", "--deployment.run-id", "t1"]
+    orchestrator = host("orchestrator", orchestrator_flags, {**base, "INFERENCE_SERVER_IP": servers})
+    nodes = [host(f"node{r}", [*trainer, "--deployment.trainer-node-rank", str(r)], base) for r in (0, 1)]
     hosts = [server_a, server_b, orchestrator, *nodes]
-    b_log = out / "logs" / f"inference.{HOSTS['inference-b']}-{port}.log"
+    b_log = out / "logs" / f"inference.{addr['inference-b']}-{port}.log"
     try:
         for host in [*nodes, server_a, server_b, orchestrator]:  # trainer nodes first: they wait for the run
             host.start()
@@ -178,7 +255,7 @@ def test_rl_over_five_hosts_survives_losing_an_inference_server(tmp_path):
     assert "/inference/v1/generate" in requests or "/v1/chat/completions" in requests  # and then got work
     # Per-host files in the shared dir: one log per server, one console per trainer node.
     logs = {p.name for p in (out / "logs").iterdir()}
-    assert {f"inference.{HOSTS['inference-a']}-{port}.log", b_log.name, "orchestrator.log", "trainer.log"} <= logs
+    assert {f"inference.{addr['inference-a']}-{port}.log", b_log.name, "orchestrator.log", "trainer.log"} <= logs
 
 
 def orchestrator_log(out: Path) -> str:
