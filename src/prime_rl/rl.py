@@ -588,7 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     elif "trainer" in roles:
         wait_for_run(config)
     if resume_step is not None:
-        logger.info(f"resuming {' and '.join(r for r in roles if r != 'inference')} from step {resume_step}")
+        resumed = [r for r in ("trainer", "orchestrator") if r in roles]  # the order the single-host log always had
+        logger.info(f"resuming {' and '.join(resumed)} from step {resume_step}")
     code = launch(config)
     lock.release()
     sys.exit(code)
