@@ -2,11 +2,13 @@
 
 Every host is an `rl` process with the same config and its own `deployment.roles`, sharing one output directory
 as hosts share a filesystem, on an address of its own: a network namespace per host joined by veth pairs to a
-bridge where the machine allows it, else 127.0.0.2, .3, ... (chosen at run time; the test prints which ran). The API key is on. One inference
-server is killed mid-run and started again: the run goes on with the other, and the restarted server is given
-the current policy before it gets work. Every batch is trained once, and no batch uses a policy older than k.
-(A step takes about a second here and vLLM a minute or two to restart, so the run is stopped once the server is
-back and three more steps are trained, rather than waiting for a fixed max_steps.)
+bridge where the machine allows it, else 127.0.0.2, .3, ... (chosen at run time; the test prints which ran). The
+API key is on. One inference server's vLLM is killed mid-run with requests in flight: its host's rl exits naming
+it, the run goes on with the other server, and the restarted host is given the current policy before it gets
+work. Every batch is trained once, and no batch uses a policy older than k. (A step takes about a second here and
+vLLM a minute or two to restart, so the run is stopped once the server is back and three more steps are trained,
+rather than waiting for a fixed max_steps.) Last, the other inference host's rl is killed alone, as when a machine
+dies: its vLLM must die with it.
 """
 
 import json
@@ -19,7 +21,9 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
+from rl_config import write_rl_config
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.utils.net import free_port
@@ -31,41 +35,9 @@ NAMES = ["inference-a", "inference-b", "orchestrator", "node0", "node1"]
 
 
 def write_config(path: Path, model: Path, out: Path, port: int) -> Path:
-    path.write_text(
-        f"""
-output_dir = "{out}"
-max_steps = {STEPS}
-max_async_level = {K}
-seq_len = 512
-trainer_gpu_ids = [0]
-inference_timeout = 600
-
-[model]
-name = "{model}"
-
-[inference.model]
-max_model_len = 512
-enforce_eager = true
-[inference.server]
-port = {port}
-
-[orchestrator]
-batch_size = 8
-rollouts_per_example = 4
-workers = 1
-weights_poll_interval = 0.2
-[orchestrator.model]
-renderer = {{ name = "qwen3", enable_thinking = false }}
-[orchestrator.sampling]
-max_tokens = 12
-[[orchestrator.env]]
-id = "reverse-text"
-
-[trainer.optim]
-lr = 1e-3
-"""
-    )
-    return path
+    top = "inference_timeout = 600\n[inference.model]\nmax_model_len = 512\nenforce_eager = true\n"
+    top += f"[inference.server]\nport = {port}\n"
+    return write_rl_config(path, model, out, K, STEPS, top=top, bottom='[[orchestrator.env]]\nid = "reverse-text"\n')
 
 
 class Network:
@@ -231,19 +203,35 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
             host.start()
         wait_until(lambda: len(metrics(out, "trainer")) >= 2, 900, "trainer step 2", hosts)
 
-        server_b.kill()
-        assert wait_gone(b_log), "inference-b's vLLM outlived its rl"
+        # inference-b's vLLM dies with requests in flight, as under the OOM killer: its rl exits within 30 s naming
+        # it and leaves nothing behind, and the orchestrator retries the lost requests on inference-a.
+        b_tree = [psutil.Process(server_b.proc.pid), *psutil.Process(server_b.proc.pid).children(recursive=True)]
+        b_url = f"http://{addr['inference-b']}:{port}"
+        wait_until(lambda: requests_running(b_url) > 0, 120, "requests in flight on inference-b", hosts)
+        psutil.Process(started_pid(server_b.console, "inference")).kill()
+        killed_at = time.monotonic()
+        code = server_b.proc.wait(60)
+        elapsed = time.monotonic() - killed_at
+        assert code != 0 and elapsed < 30, (code, elapsed, tail(server_b))
+        assert re.search(r"inference failed with exit code", server_b.console.read_text()), tail(server_b)
+        time.sleep(1)
+        alive = [p for p in b_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
         before = b_log.stat().st_size
         steps_without_b = len(metrics(out, "trainer"))
         server_b.start()
         wait_until(lambda: "serving policy step" in orchestrator_log(out), 600, "inference-b back in rotation", hosts)
         back_at = len(metrics(out, "trainer"))
         wait_until(lambda: len(metrics(out, "trainer")) >= back_at + 3, 300, "3 steps with both servers", hosts)
+        server_a.kill()
+        assert wait_gone(f"http://{addr['inference-a']}:{port}"), "inference-a's vLLM outlived its rl"
     finally:
         for host in hosts:
             host.stop()
 
     assert back_at > steps_without_b, "the run did not go on while inference-b was down"
+    assert "pausing it until healthy" in orchestrator_log(out)
+    assert sum(m["retries"] for m in metrics(out, "orchestrator")) > 0  # the requests b lost were sampled again
     trained = metrics(out, "trainer")
     assert [m["step"] for m in trained] == list(range(1, len(trained) + 1))  # every batch once, in order
     for m in trained:
@@ -263,13 +251,27 @@ def orchestrator_log(out: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def wait_gone(log: Path, timeout: float = 60) -> bool:
-    """The killed server's port stops answering (its vLLM died with its `rl`)."""
-    host, port = re.search(r"inference\.([\d.]+)-(\d+)\.log", log.name).groups()
+def requests_running(url: str) -> float:
+    """vLLM's own gauge of requests being generated (`/metrics` needs no API key)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.TransportError:
+        return 0.0
+    return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
+
+
+def started_pid(console: Path, name: str) -> int:
+    match = re.search(rf"started {name} \(pid (\d+)\)", console.read_text(errors="replace"))
+    assert match, f"no '{name}' started in {console}"
+    return int(match.group(1))
+
+
+def wait_gone(url: str, timeout: float = 60) -> bool:
+    """The server's port stops answering."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            httpx.get(f"http://{host}:{port}/health", timeout=2)
+            httpx.get(f"{url}/health", timeout=2)
         except httpx.TransportError:
             return True
         time.sleep(1)

@@ -356,32 +356,6 @@ def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
         assert len(read_batch(batch_path(out, n)).samples) == 4
 
 
-def test_server_restart_mid_run(tied_server):
-    """Kill the inference server mid-run and start it again on the same port: failed groups are retried once it
-    is healthy, it is moved back to the current policy (a restarted server serves base weights), the run ends
-    normally, and every batch on disk is complete."""
-    srv = tied_server
-    out = srv.root / "runs" / "restart"
-    publish(srv, out, 1)
-    proc = start_orchestrator(
-        srv, out, "--max-steps", "12", "--max-async-level", "20", "--max-retries", "10", "--batch-size", "16"
-    )
-    with killed_on_failure(proc):
-        wait_until(proc, out, lambda: batch_path(out, 2).exists(), timeout=300)
-        srv.stop()
-        time.sleep(2)
-        srv.restart()
-    log = wait_ok(proc, out, 600)
-    assert "pausing it until healthy" in log and "back, serving policy step" in log
-    rows = metrics(out)
-    assert sum(m["retries"] for m in rows) > 0
-    for n in range(1, 13):
-        batch = read_batch(batch_path(out, n))
-        assert len(batch.samples) == 16
-        # after the restart nothing may claim a policy the server no longer had
-        assert min(v for s in batch.samples for v in s.policy_versions) >= 1
-
-
 def test_server_down_during_a_weight_swap(tied_server):
     """k = 0: after batch 1 the orchestrator waits at the barrier with nothing in flight; the server dies, then
     pi_1 is published, so the swap hits a dead server. It is taken out of rotation like a server that fails

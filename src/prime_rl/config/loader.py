@@ -463,6 +463,13 @@ def build_config(cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: di
         return cls(**fill_discriminators(cls, deep_merge(data, cli)))
     except ValidationError as e:
         raise ConfigError(format_validation_error(keys, e, sources)) from None
+    except SettingsError as e:  # a PRIME_* value that is not even parseable, e.g. a list not written as JSON
+        field = m.group(1) if (m := re.search(r'field "(\w+)"', str(e))) else ""
+        names = sorted(n.upper() for n in os.environ if n.upper().startswith(f"{ENV_PREFIX}{field.upper()}"))
+        raise ConfigError(
+            f"{e}: check {', '.join(names) or 'the PRIME_* variables'} "
+            "(lists and tables in the environment are JSON, e.g. '[\"http://a:8000/v1\"]')"
+        ) from None
 
 
 def to_toml(config: BaseModel) -> str:
@@ -480,8 +487,10 @@ def to_toml(config: BaseModel) -> str:
 
 
 def write_resolved_config(config: EntrypointConfig, entrypoint: str) -> Path:
-    """Write `{output_dir}/configs/<entrypoint>.toml` atomically (tmp + rename)."""
-    target = Path(config.output_dir) / "configs" / f"{entrypoint}.toml"
+    """Write `{output_dir}/configs/<entrypoint>.toml` atomically (tmp + rename); named after `log.file` where one
+    is set, so several servers sharing an output dir keep one resolved config each."""
+    name = Path(config.log.file).stem if config.log.file else entrypoint
+    target = Path(config.output_dir) / "configs" / f"{name}.toml"
     write_atomic(target, to_toml(config).encode())
     return target
 

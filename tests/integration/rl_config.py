@@ -1,0 +1,33 @@
+"""The `rl` TOML the integration tests share: a tiny model, reverse-text, 8 rollouts a step of at most 12 tokens."""
+
+from pathlib import Path
+
+
+def write_rl_config(path: Path, model: Path, out: Path, k: int, steps: int, top: str = "", bottom: str = "") -> Path:
+    """`top` goes before the first table (top-level keys and whole tables), `bottom` after the orchestrator's."""
+    path.write_text(
+        f"""
+output_dir = "{out}"
+max_steps = {steps}
+max_async_level = {k}
+seq_len = 512
+trainer_gpu_ids = [0]
+{top}
+[model]
+name = "{model}"
+
+[orchestrator]
+batch_size = 8
+rollouts_per_example = 4
+workers = 1
+weights_poll_interval = 0.2
+[orchestrator.model]
+renderer = {{ name = "qwen3", enable_thinking = false }}
+[orchestrator.sampling]
+max_tokens = 12
+{bottom}
+[trainer.optim]
+lr = 1e-3
+"""
+    )
+    return path
