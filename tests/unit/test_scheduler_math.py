@@ -47,3 +47,29 @@ def test_group_version_is_the_oldest_reported_token_version():
     assert group.version == 3 and group.newest_version == 3  # nothing reported: the start version
     group.rollouts = [rollout(-1, 4, 4), rollout(-1, 4, 5)]
     assert group.version == 4 and group.newest_version == 5
+
+
+class RecordingServers:
+    """Stands in for `InferenceServers` (which needs live servers): the load count and which servers were failed."""
+
+    def __init__(self):
+        self.load, self.failed = {"u": 1}, []
+
+    def mark_failed(self, url: str, reason: str) -> None:
+        self.failed.append((url, reason))
+
+
+def test_a_server_that_restarted_unnoticed_is_caught_by_its_token_versions():
+    """The server came back on base weights between two requests (no request failed): its tokens say policy 0
+    although the group started on policy 3. The group is dropped as stale and the server is sent to recovery,
+    which loads the current policy before it serves again."""
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.scheduler import Scheduler
+    from prime_rl.orchestrator.worker import GroupDone
+
+    servers = RecordingServers()
+    scheduler = Scheduler(OrchestratorConfig(), buffer=None, tasks={}, servers=servers, workers=None)
+    scheduler.inflight[0] = Group(0, "e", 0, {}, start_version=3, url="u")
+    scheduler.on_done(GroupDone(id=0, rollouts=[rollout(0, 0), rollout(0, 0)]))
+    assert servers.failed == [("u", "served policy 0, expected 3")]
+    assert scheduler.stats.dropped_stale == 1 and scheduler.finished == [] and servers.load == {"u": 0}
