@@ -3,9 +3,9 @@
 Every host is an `rl` process with the same config and its own `deployment.roles`, sharing one output directory
 as hosts share a filesystem, on an address of its own: a network namespace per host joined by veth pairs to a
 bridge where the machine allows it, else 127.0.0.2, .3, ... (chosen at run time; the test prints which ran). The
-API key is on. One inference server's vLLM is killed mid-run with requests in flight: its host's rl exits naming
-it, the run goes on with the other server, and the restarted host is given the current policy before it gets
-work. Every batch is trained once, and no batch uses a policy older than k. (A step takes about a second here and
+API key is on. One inference server's vLLM is killed mid-run: its host's rl exits naming it, the run goes on with
+the other server (requests it lost are sampled again), and the restarted host is given the current policy before
+it gets work. Every batch is trained once, and no batch uses a policy older than k. (A step takes about a second here and
 vLLM a minute or two to restart, so the run is stopped once the server is back and three more steps are trained,
 rather than waiting for a fixed max_steps.) Last, the other inference host's rl is killed alone, as when a machine
 dies: its vLLM must die with it.
@@ -203,8 +203,8 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
             host.start()
         wait_until(lambda: len(metrics(out, "trainer")) >= 2, 900, "trainer step 2", hosts)
 
-        # inference-b's vLLM dies with requests in flight, as under the OOM killer: its rl exits within 30 s naming
-        # it and leaves nothing behind, and the orchestrator retries the lost requests on inference-a.
+        # inference-b's vLLM dies while serving, as under the OOM killer: its rl exits within 30 s naming it and
+        # leaves nothing behind. (The kill waits for requests running on b; they may still finish first.)
         b_tree = [psutil.Process(server_b.proc.pid), *psutil.Process(server_b.proc.pid).children(recursive=True)]
         b_url = f"http://{addr['inference-b']}:{port}"
         wait_until(lambda: requests_running(b_url) > 0, 120, "requests in flight on inference-b", hosts)
@@ -230,8 +230,14 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
             host.stop()
 
     assert back_at > steps_without_b, "the run did not go on while inference-b was down"
-    assert "pausing it until healthy" in orchestrator_log(out)
-    assert sum(m["retries"] for m in metrics(out, "orchestrator")) > 0  # the requests b lost were sampled again
+    # How the orchestrator saw b die depends on what it was doing at that instant (requests are ~0.1 s long): a
+    # generation request failed (its group must be sampled again), or the next weight swap failed (nothing lost).
+    seen = re.search(
+        rf"server http://{re.escape(addr['inference-b'])}:\d+/v1 failing \((.*)\); pausing", orchestrator_log(out)
+    )
+    assert seen, orchestrator_log(out)[-3000:]
+    if "weight swap" not in seen.group(1):
+        assert sum(m["retries"] for m in metrics(out, "orchestrator")) > 0, seen.group(1)
     trained = metrics(out, "trainer")
     assert [m["step"] for m in trained] == list(range(1, len(trained) + 1))  # every batch once, in order
     for m in trained:

@@ -356,6 +356,38 @@ def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
         assert len(read_batch(batch_path(out, n)).samples) == 4
 
 
+def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, verifiers_loop, monkeypatch):
+    """What the scheduler retries on another server: generation whose connection fails (the server died; here the
+    port is closed, no server needed) is a retryable error, from the real worker and verifiers client."""
+    from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.envs import load_tasks
+    from prime_rl.orchestrator.worker import RunGroup, Worker
+    from prime_rl.utils.net import free_port
+
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    model = build_tiny_model(TinyModelConfig(output=tmp_path / "tiny", tie_word_embeddings=True))
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    config = OrchestratorConfig(
+        model={"name": str(model), "renderer": json.loads(RENDERER)},
+        client={"base_url": [url], "api_key_var": KEY_VAR},
+        env=[{"id": "reverse-text"}],
+        sampling={"max_tokens": 10},
+        seq_len=512,
+    )
+    task = load_tasks(config.env, config.seq_len)["reverse-text"][0]
+    worker = Worker(config, 0)
+
+    async def run():
+        async with worker.envs["reverse-text"].serving():
+            return (await worker.run_group(RunGroup(id=0, env="reverse-text", task=task, n=2, base_url=url))).rollouts
+
+    rollouts = verifiers_loop.run_until_complete(run())
+    assert len(rollouts) == 2
+    for rollout in rollouts:
+        assert rollout.retryable and "ProviderError" in rollout.error and not rollout.samples, rollout
+
+
 def test_server_down_during_a_weight_swap(tied_server):
     """k = 0: after batch 1 the orchestrator waits at the barrier with nothing in flight; the server dies, then
     pi_1 is published, so the swap hits a dead server. It is taken out of rotation like a server that fails

@@ -73,3 +73,25 @@ def test_a_server_that_restarted_unnoticed_is_caught_by_its_token_versions():
     scheduler.on_done(GroupDone(id=0, rollouts=[rollout(0, 0), rollout(0, 0)]))
     assert servers.failed == [("u", "served policy 0, expected 3")]
     assert scheduler.stats.dropped_stale == 1 and scheduler.finished == [] and servers.load == {"u": 0}
+
+
+def test_a_group_whose_server_failed_is_retried_and_the_server_paused():
+    """A retryable failure (the server died mid-generation): the server goes to recovery and the group is queued
+    to run again (on whichever server is healthy then); once its retries are spent it is dropped."""
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.scheduler import Scheduler
+    from prime_rl.orchestrator.worker import GroupDone
+
+    servers = RecordingServers()
+    scheduler = Scheduler(OrchestratorConfig(max_retries=1), buffer=None, tasks={}, servers=servers, workers=None)
+    lost = RolloutResult(reward=0.0, samples=[], error="ProviderError: Connection error.", retryable=True)
+    group = Group(0, "e", 0, {}, start_version=0, url="u")
+    scheduler.inflight[0] = group
+    scheduler.on_done(GroupDone(id=0, rollouts=[lost, lost]))
+    assert servers.failed == [("u", "ProviderError: Connection error.")] and scheduler.retry_queue == [group]
+    assert scheduler.stats.errors == 2 and scheduler.stats.dropped_failed == 0
+    group.attempts, servers.load["u"] = 2, 1  # its second (last allowed) attempt fails too
+    scheduler.retry_queue.clear()
+    scheduler.inflight[0] = group
+    scheduler.on_done(GroupDone(id=0, rollouts=[lost, lost]))
+    assert scheduler.retry_queue == [] and scheduler.stats.dropped_failed == 1
