@@ -1,7 +1,6 @@
 """The orchestrator against the real vLLM server on the tiny model: token exactness (in-process worker),
 the async bound with a stand-in trainer, the environment mix, resume, and robustness to failures."""
 
-import contextlib
 import json
 import os
 import shutil
@@ -189,7 +188,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
 FLAKY_MIX = '[{"id": "reverse-text", "ratio": 1}, {"id": "vf-flaky-env", "ratio": 1, "args": {"per_rollout": true}}]'
 
 
-def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int, before_publish=None) -> threading.Thread:
+def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int) -> threading.Thread:
     """What the trainer does, minus the training: publish pi_n one second after batch n appears."""
 
     def run():
@@ -199,30 +198,11 @@ def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int, before_
                     return
                 time.sleep(0.05)
             time.sleep(1.0)
-            if before_publish is not None:
-                before_publish(n)
             publish(srv, out, n)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
-
-
-def wait_until(proc: subprocess.Popen, out: Path, condition, timeout: float = 120) -> None:
-    """Poll `condition` while the orchestrator runs; fail with its console if it exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None and time.monotonic() < deadline, (out / "console.out").read_text()[-3000:]
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def killed_on_failure(proc: subprocess.Popen):
-    try:
-        yield
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
 
 
 def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
@@ -236,7 +216,7 @@ def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
     return (out / "console.out").read_text()
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("k", [0, 1])
 def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k):
     """A stand-in trainer publishes pi_n one second after batch n appears. Batch n never contains a token from a
     policy older than n-1-k; with k=0 every token comes from exactly pi_{n-1}. 8 steps, so the bound is active on
@@ -309,24 +289,6 @@ def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
     assert min(per_server) >= 30, per_server  # least-loaded balancing: roughly even
 
 
-def test_resume_moves_servers_to_the_checkpoint_policy(tied_server):
-    """Checkpoint at step 2, resume: the next batch is 3, and its rollouts ran on pi_2 or newer, not base."""
-    srv = tied_server
-    out = srv.root / "runs" / "resume"
-    run_orchestrator(srv, out, "--max-steps", "2", "--ckpt.interval", "2", "--max-async-level", "4")
-    assert (out / "checkpoints" / "step_2" / "orchestrator" / "progress.json").exists()
-    progress = json.loads((out / "checkpoints" / "step_2" / "orchestrator" / "progress.json").read_text())
-    assert progress["step"] == 2 and progress["samples"] == 16 and progress["problems"] == 4
-    first = batch_path(out, 2).read_bytes()
-    publish(srv, out, 1)
-    publish(srv, out, 2)
-    log = run_orchestrator(srv, out, "--max-steps", "3", "--ckpt.resume-step", "-1", "--max-async-level", "4")
-    assert "resuming from step 2" in log and "serve policy step 2" in log
-    assert batch_path(out, 2).read_bytes() == first  # not rewritten
-    batch = read_batch(batch_path(out, 3))
-    assert min(v for s in batch.samples for v in s.policy_versions) == 2
-
-
 def test_failing_reward_is_counted_and_the_run_goes_on(tied_server):
     """An environment whose reward raises on half its tasks: those rollouts are errors, excluded; batches fill."""
     srv = tied_server
@@ -386,24 +348,6 @@ def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, v
     assert len(rollouts) == 2
     for rollout in rollouts:
         assert rollout.retryable and "ProviderError" in rollout.error and not rollout.samples, rollout
-
-
-def test_server_down_during_a_weight_swap(tied_server):
-    """k = 0: after batch 1 the orchestrator waits at the barrier with nothing in flight; the server dies, then
-    pi_1 is published, so the swap hits a dead server. It is taken out of rotation like a server that fails
-    generation, moved to pi_1 once it is back (a restarted server serves base weights), and the run ends normally
-    with batches 2 and 3 from pi_1 and pi_2 only. (A failed swap used to end the run.)"""
-    srv = tied_server
-    out = srv.root / "runs" / "swap_down"
-    proc = start_orchestrator(srv, out, "--max-async-level", "0", "--max-steps", "3")
-    stand_in_trainer(srv, out, proc, 3, before_publish=lambda n: srv.stop() if n == 1 else None)
-    with killed_on_failure(proc):
-        wait_until(proc, out, lambda: "weight swap to policy step 1 failed" in (out / "console.out").read_text())
-        srv.restart()
-    log = wait_ok(proc, out, 300)
-    assert "back, serving policy step 1" in log
-    for n in (2, 3):
-        assert {tuple(s.policy_versions) for s in read_batch(batch_path(out, n)).samples} == {(n - 1,)}
 
 
 def test_rollouts_all_longer_than_seq_len_end_the_run_naming_the_cause(tied_server):

@@ -57,12 +57,5 @@ class InferenceServer(Process):
             raise
         self.startup_seconds = time.perf_counter() - self.started
 
-    def restart(self, timeout: float = 400) -> None:
-        """Start the same server (model, flags, port) again after `stop()`, in place, and wait until it is healthy:
-        clients that know it by URL see a server that restarted (on its base weights)."""
-        self.started = time.perf_counter()
-        self.start()
-        self.wait_healthy(timeout)
-
     def stop(self, grace: float = 30.0) -> None:
         stop_all([self], grace)
