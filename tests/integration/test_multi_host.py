@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from rl_config import write_rl_config
+from rl_run import started_pid, write_rl_config
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.utils.net import free_port
@@ -264,12 +264,6 @@ def requests_running(url: str) -> float:
     except httpx.TransportError:
         return 0.0
     return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
-
-
-def started_pid(console: Path, name: str) -> int:
-    match = re.search(rf"started {name} \(pid (\d+)\)", console.read_text(errors="replace"))
-    assert match, f"no '{name}' started in {console}"
-    return int(match.group(1))
 
 
 def wait_gone(url: str, timeout: float = 60) -> bool:

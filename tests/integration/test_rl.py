@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import API_KEY
-from rl_config import write_rl_config
+from rl_run import started_pid, write_rl_config
 
 from prime_rl.batch import batch_path
 
@@ -114,15 +114,6 @@ def check_offline_wandb_runs(out: Path, steps: int) -> None:
 
 def run_pids(rl: psutil.Process) -> list[psutil.Process]:
     return [rl, *rl.children(recursive=True)]
-
-
-def started_pid(log: Path, name: str, timeout: float = 600) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if m := re.search(rf"started {name} \(pid (\d+)\)", log.read_text()):
-            return int(m.group(1))
-        time.sleep(0.2)
-    raise TimeoutError(f"{name} never started:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.slow

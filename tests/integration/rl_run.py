@@ -1,5 +1,8 @@
-"""The `rl` TOML the integration tests share: a tiny model, reverse-text, 8 rollouts a step of at most 12 tokens."""
+"""What the integration tests that run `rl` share: its TOML (a tiny model, reverse-text, 8 rollouts a step of at most
+12 tokens) and the pids it logs."""
 
+import re
+import time
 from pathlib import Path
 
 
@@ -31,3 +34,13 @@ lr = 1e-3
 """
     )
     return path
+
+
+def started_pid(log: Path, name: str, timeout: float = 600) -> int:
+    """The pid `rl` logged for the process `name` it started (waiting until it has)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if m := re.search(rf"started {name} \(pid (\d+)\)", log.read_text(errors="replace")):
+            return int(m.group(1))
+        time.sleep(0.2)
+    raise TimeoutError(f"{name} never started:\n{log.read_text()[-3000:]}")
