@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 import shutil
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from loguru import logger
 
 from prime_rl.utils.fs import write_atomic
 
@@ -128,41 +126,3 @@ def validate_batch(batch: TrainingBatch, path: Path, vocab_size: int, seq_len: i
         problem = _sample_problem(sample, vocab_size, seq_len)
         if problem is not None:
             raise BatchError(f"{path}: sample {i} {problem}")
-
-
-def wait_for_batch(
-    path: Path,
-    timeout: float | None = None,
-    poll: float = 0.05,
-    max_poll: float = 1.0,
-    warn_every: float = 60.0,
-) -> Path:
-    """Block until `path` exists, polling with exponential backoff (poll, 2*poll, ... up to max_poll).
-
-    The writer renames the file into place, so existence means complete. Backoff keeps a trainer that waits
-    minutes on slow rollouts from hammering a shared filesystem, while a batch that is nearly ready is seen fast.
-    Every `warn_every` seconds a warning names the file, its writer and the time waited, so a stalled run
-    says what it is stuck on; after `timeout` seconds (None: never) the wait fails with the same facts.
-    """
-    if poll <= 0 or max_poll < poll or warn_every <= 0:
-        raise ValueError(f"need 0 < poll <= max_poll and warn_every > 0, got {poll}, {max_poll}, {warn_every}")
-    path = Path(path)
-    start = time.monotonic()
-    deadline = None if timeout is None else start + timeout
-    next_warning = start + warn_every
-    delay = poll
-    while True:
-        if path.exists():
-            return path
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            raise TimeoutError(
-                f"{path}: no batch after waiting {now - start:.0f} s (batch_timeout = {timeout:g} s); "
-                "the orchestrator writes it: is one running on this output_dir?"
-            )
-        if now >= next_warning:
-            logger.warning(f"waiting {now - start:.0f} s for {path}, which the orchestrator writes")
-            next_warning += warn_every
-        wake = min(now + delay, next_warning, deadline if deadline is not None else math.inf)
-        time.sleep(max(0.0, wake - now))
-        delay = min(delay * 2, max_poll)

@@ -30,7 +30,7 @@ from typing import Literal
 from loguru import logger
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig, WeightBroadcastConfig
 from prime_rl.config.loader import load_config, to_toml, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator import ckpt as orchestrator_ckpt
@@ -41,6 +41,7 @@ from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.monitor_config import WandbConfig
+from prime_rl.utils.net import free_port
 from prime_rl.utils.processes import Process, stop_all
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
@@ -141,6 +142,10 @@ class RLConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Shared W&B logging: runs `<name>-trainer` and `<name>-orchestrator` in one group (`--wandb` enables)."""
 
+    weight_broadcast: WeightBroadcastConfig | None = None
+    """Shared: how new policies reach inference (`type = "gloo"` or `"nccl"`: in memory from the trainer; on one host
+    `rl` picks a free port, on several the trainer's address defaults to `deployment.master_addr`)."""
+
     trainer_gpu_ids: list[int] = [1]
     """GPUs of the trainer (CUDA_VISIBLE_DEVICES); also the number of trainer ranks (on CPU only the count is used)."""
 
@@ -186,6 +191,18 @@ class RLConfig(EntrypointConfig):
             trainer.wandb = _merge(trainer.wandb, WandbConfig, "trainer.wandb", "wandb", **shared)
             orch.wandb = _merge(orch.wandb, WandbConfig, "orchestrator.wandb", "wandb", **shared)
         deploy = self.deployment
+        if self.weight_broadcast is not None:
+            shared = self.weight_broadcast.model_dump(include=self.weight_broadcast.model_fields_set | {"type"})
+            if not deploy.single_host and "host" not in shared:
+                shared["host"] = deploy.master_addr  # trainer rank 0 runs on trainer node 0
+            if self.weight_broadcast.in_memory and shared.get("port") is None:
+                if not deploy.single_host:
+                    raise ValueError("weight_broadcast.port must be set when the processes run on several hosts")
+                shared["port"] = self.weight_broadcast.port = free_port()
+            for name, section in (("trainer", trainer), ("orchestrator", orch)):
+                current = section.weight_broadcast
+                for key, value in shared.items():
+                    _share(current, key, value, f"{name}.weight_broadcast", f"weight_broadcast.{key}")
         if inf is not None and deploy.inference_api_key is not None and inf.server.api_key is None:
             inf.server.api_key = deploy.inference_api_key
         if deploy.inference_hosts:
@@ -238,6 +255,10 @@ class RLConfig(EntrypointConfig):
             raise ValueError(
                 f"the orchestrator asks for model {orch.model.api_name!r}, inference serves {inf.model.api_name!r}; "
                 "set the shared `model.name`"
+            )
+        if trainer.weight_broadcast != orch.weight_broadcast:
+            raise ValueError(
+                "trainer.weight_broadcast and orchestrator.weight_broadcast disagree; use the shared `weight_broadcast`"
             )
         if (trainer.ckpt is None) != (orch.ckpt is None):
             raise ValueError(

@@ -1,7 +1,5 @@
-"""The orchestrator -> trainer batch file: atomic writes, typed reads, validation, waiting."""
+"""The orchestrator -> trainer batch file: atomic writes, typed reads, validation."""
 
-import threading
-import time
 from pathlib import Path
 
 import msgspec
@@ -14,7 +12,6 @@ from prime_rl.batch import (
     batch_path,
     read_batch,
     validate_batch,
-    wait_for_batch,
     write_batch,
 )
 
@@ -135,39 +132,3 @@ def test_validate_batch_names_path_sample_and_problem(tmp_path: Path, bad: Train
         validate_batch(make_batch(sample(), sample(), bad), path, VOCAB, SEQ_LEN)
     msg = str(info.value)
     assert str(path) in msg and "sample 2 " in msg and needle in msg, msg
-
-
-def test_wait_for_batch_returns_once_written(tmp_path: Path):
-    path = batch_path(tmp_path, 1)
-    writer = threading.Timer(0.3, write_batch, args=(make_batch(), path))
-    start = time.monotonic()
-    writer.start()
-    try:
-        assert wait_for_batch(path, timeout=5) == path
-    finally:
-        writer.join()
-    assert 0.25 <= time.monotonic() - start < 2.0
-    assert read_batch(path) == make_batch()
-
-
-def test_wait_for_batch_times_out(tmp_path: Path):
-    path = tmp_path / "never.bin"
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="never.bin"):
-        wait_for_batch(path, timeout=0.3)
-    assert 0.25 <= time.monotonic() - start < 1.0
-
-
-def test_wait_for_batch_does_not_busy_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    calls = 0
-    real_exists = Path.exists
-
-    def counting_exists(self: Path, *args, **kwargs) -> bool:
-        nonlocal calls
-        calls += 1
-        return real_exists(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "exists", counting_exists)
-    with pytest.raises(TimeoutError):
-        wait_for_batch(tmp_path / "never.bin", timeout=1.0)
-    assert 2 <= calls < 30

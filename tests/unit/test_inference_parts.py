@@ -159,12 +159,21 @@ def test_parse_json_object(raw, empty_ok, expected):
 class FakeEngine:
     """Stands in for vLLM's engine client in the swapper's state machine (the real one: integration tests)."""
 
+    vllm_config = Namespace(parallel_config=Namespace(world_size=1, data_parallel_size=1))
+
     def __init__(self, failing: set[str] = frozenset()):
         self.failing = set(failing)
         self.calls: list[tuple] = []
         self.paused = False
+        self.receive: dict | Exception = {"step": 1}
+        """What a worker's `prime_receive_weights` returns (or raises)."""
 
     async def collective_rpc(self, method, args=()):
+        if method == "prime_receive_weights":
+            self.calls.append((method, args[0]["generation"]))
+            if isinstance(self.receive, Exception):
+                raise self.receive
+            return [self.receive]
         self.calls.append((method, *args))
         if args[0] in self.failing:
             raise RuntimeError(f"cannot load {args[0]}")
@@ -268,6 +277,62 @@ def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_pat
     assert engine.calls[-2:] == [("prime_load_weights", str(base_ok)), ("version", "base")]
     assert client.get("/health").status_code == 200 and client.post("/v1/completions").json() == {"ok": 1}
     assert not engine.paused and swapper.unknown is None
+
+
+BROADCAST = {
+    "host": "127.0.0.1", "port": 29501, "session": "ab12", "generation": 1, "rank": 1, "world_size": 2,
+    "backend": "gloo", "timeout": 60,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"weight_dir": "/x", "broadcast": BROADCAST}, "exactly one of weight_dir and broadcast"),
+        ({"broadcast": {**BROADCAST, "rank": 2}}, "ranks 2..2 of this server's 1 worker(s) exceed world_size"),
+        ({"broadcast": {**BROADCAST, "session": "../x"}}, "broadcast.session"),
+        ({"broadcast": {**BROADCAST, "backend": "mpi"}}, "broadcast.backend"),
+        ({"broadcast": {**BROADCAST, "rank": 0}}, "broadcast.rank"),  # rank 0 is the trainer's
+        ({"broadcast": {**BROADCAST, "extra": 1}}, "broadcast.extra"),
+    ],
+)
+def test_bad_broadcast_requests_get_422_and_touch_nothing(tmp_path, body, needle):
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    r = client.post("/update_weights", json=body)
+    assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
+    assert engine.calls == [] and swapper.version == "base" and not engine.paused
+
+
+def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_broadcast(tmp_path):
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    assert client.get("/weights").json() == {"version": "base", "source": str(swapper.base_dir), "workers": 1}
+
+    # Received: labelled with the header's step, its source is the broadcast.
+    engine.receive = {"step": 3}
+    r = client.post("/update_weights", json={"broadcast": BROADCAST})
+    assert r.status_code == 200 and r.json()["version"] == "step_3" and r.json()["step"] == 3, r.text
+    assert client.get("/weights").json() == {"version": "step_3", "source": "broadcast", "workers": 1}
+
+    # Refused (a header that does not fit) or failed before any weight changed: still step_3, serving, no restore.
+    engine.receive = {"refused": "the broadcast lacks tensors of the served model: x"}
+    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 2}})
+    assert r.status_code == 422 and "lacks tensors" in r.json()["error"]["message"]
+    engine.receive = {"not_started": "TimeoutError: a member never joined"}
+    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 3}})
+    assert r.status_code == 500 and "before any weight changed" in r.json()["error"]["message"]
+    assert "still serving step_3" in r.json()["error"]["message"]
+    assert [c[0] for c in engine.calls[-2:]] == ["prime_receive_weights"] * 2  # no restore attempted
+    assert client.get("/health").status_code == 200 and not engine.paused
+
+    # Failed mid-transfer: step_3 came by broadcast and cannot be read again, so nothing is served until a load.
+    engine.receive = RuntimeError("Connection reset by peer")
+    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 4}})
+    assert r.status_code == 503 and "came by broadcast and cannot be read again" in r.json()["error"]["message"]
+    assert client.get("/health").json()["status"] == "weights_unknown" and engine.paused
+    assert client.get("/weights").json()["source"] is None
+    assert client.post("/reload_weights").status_code == 200 and not engine.paused
 
 
 def test_weights_unknown_gate_ignores_lifespan_and_missing_state():

@@ -1,19 +1,23 @@
-"""What keeps a trainer process honest about its surroundings: it dies with its torchrun agent, and its wait
-for a batch is bounded and says what it waits for."""
+"""What keeps a trainer process honest about its surroundings: it dies with its torchrun agent, and its waits
+(for a batch, for the orchestrator to take a policy) are bounded and say what they wait for."""
 
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from loguru import logger
 
-from prime_rl.batch import batch_path, wait_for_batch
+from prime_rl.batch import batch_path
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.distributed import init_distributed
+from prime_rl.trainer.train import wait_until as wait_on_rank0
 
 RANK = """
 import sys, time
@@ -99,22 +103,49 @@ def test_batch_wait_is_bounded_by_default():
     assert TrainerConfig().batch_timeout == 3600
 
 
-def test_batch_wait_warns_what_it_waits_for_and_times_out_saying_so(tmp_path):
+@pytest.fixture
+def one_rank():
+    """A one-process world (gloo), as a plain `trainer` without torchrun runs."""
+    world = init_distributed()
+    yield world
+    dist.destroy_process_group()
+
+
+def test_the_wait_warns_what_it_waits_for_and_times_out_saying_so(tmp_path, one_rank):
     path = batch_path(tmp_path, 3)
     warnings = []
     sink = logger.add(warnings.append, level="WARNING", format="{message}")
     start = time.monotonic()
     try:
         with pytest.raises(TimeoutError) as error:
-            wait_for_batch(path, timeout=2.5, warn_every=1.0, poll=0.05, max_poll=0.2)
+            wait_on_rank0(one_rank, path.exists, f"{path} (the orchestrator's)", 2.5, None, None, warn_every=1.0)
     finally:
         logger.remove(sink)
     assert 2.5 <= time.monotonic() - start < 3.5
-    # One warning a second (at 1 s and 2 s), each naming the file, its writer and the time waited.
+    # One warning a second (at 1 s and 2 s), each naming the file and the time waited.
     assert [w.strip() for w in warnings] == [
-        f"waiting 1 s for {path}, which the orchestrator writes",
-        f"waiting 2 s for {path}, which the orchestrator writes",
+        f"waiting 1 s for {path} (the orchestrator's)",
+        f"waiting 2 s for {path} (the orchestrator's)",
     ]
-    message = str(error.value)
-    assert message.startswith(f"{path}: no batch after waiting ")
-    assert re.search(r"waiting \d s \(batch_timeout = 2\.5 s\)", message) and "orchestrator" in message
+    assert re.fullmatch(
+        rf"waited \d s for {re.escape(str(path))} \(the orchestrator's\) \(timeout 2.5 s\)", str(error.value)
+    )
+
+
+def test_the_wait_returns_soon_after_the_batch_appears_without_spinning(tmp_path, one_rank):
+    path = batch_path(tmp_path, 1)
+    looks = []
+
+    def ready() -> bool:
+        looks.append(time.monotonic())
+        if len(looks) == 1:  # written right after the first look
+            path.parent.mkdir(parents=True)
+            threading.Timer(0.6, path.write_bytes, args=(b"x",)).start()
+        return path.exists()
+
+    start = time.monotonic()
+    wait_on_rank0(one_rank, ready, "the batch", 5.0, None, None)
+    elapsed = time.monotonic() - start
+    # Polls back off from 10 ms to 250 ms: seen within a quarter second, after some 5-8 looks, not thousands.
+    assert 0.6 <= elapsed < 0.9, elapsed
+    assert 4 <= len(looks) <= 10, len(looks)

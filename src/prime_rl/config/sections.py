@@ -4,6 +4,8 @@ Each process extends `ModelConfig` with what only it needs (the trainer its FSDP
 its vLLM options, the orchestrator its renderer); `rl` and the processes share one `CheckpointConfig`.
 """
 
+from typing import Literal
+
 from pydantic import Field
 
 from prime_rl.config.base import BaseConfig
@@ -59,3 +61,34 @@ class CheckpointConfig(BaseConfig):
         if self.keep_interval:
             keep |= {s for s in steps if s % self.keep_interval == 0}
         return keep
+
+
+class WeightBroadcastConfig(BaseConfig):
+    """How each new policy reaches the inference servers. Trainer and orchestrator must agree (`rl` shares one)."""
+
+    type: Literal["filesystem", "nccl", "gloo"] = "filesystem"
+    """`filesystem`: the trainer writes `broadcasts/step_n/` and every server reads it. `nccl` / `gloo`: trainer rank 0
+    broadcasts the weights layer by layer to every inference worker over a torch.distributed group (NCCL between
+    GPUs; gloo over TCP from host memory, any device); only checkpoint steps and the last step are still written."""
+
+    host: str = "127.0.0.1"
+    """Address of trainer rank 0 as the servers and the orchestrator reach it (its rendezvous store listens there)."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Port of that store. None: `rl` picks a free one on a single host; set it when the processes start apart."""
+
+    timeout: float = Field(120.0, gt=0)
+    """Seconds each part of a transfer may take (a member joining, one layer's broadcast) before it fails."""
+
+    @property
+    def in_memory(self) -> bool:
+        return self.type != "filesystem"
+
+    def require_port(self) -> int:
+        """The store's port; a clear error when an in-memory broadcast was configured without one."""
+        if self.port is None:
+            raise ValueError(
+                "weight_broadcast.port is not set: the trainer and the orchestrator must be given the same one "
+                "(`rl` picks a free one when it starts both on one host)"
+            )
+        return self.port

@@ -4,8 +4,10 @@
 Loaded by vLLM's API server when `VLLM_PLUGINS` names `prime_rl` (the `inference` entry point sets
 it). Routes:
   POST /update_weights {"weight_dir": str, "version": str?} -> {"status", "version", "seconds"}
+  POST /update_weights {"broadcast": {...}, "version": str?} -> {"status", "version", "step", "seconds"}
   POST /reload_weights (empty body or {})                   -> back to the base model
-Both need the server's API key when one is configured. Status codes: see README "Swapping weights by hand".
+  GET  /weights                                             -> {"version", "source", "workers"}
+All need the server's API key when one is configured. Status codes: see README "Swapping weights by hand".
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import os
 import secrets
 import time
 from argparse import Namespace
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from loguru import logger
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
 
@@ -38,13 +41,45 @@ WEIGHTS_UNKNOWN = "weights_unknown"
 GATED_PREFIXES = ("/v1/", "/inference/")
 
 
+class BroadcastSpec(BaseModel):
+    """Where and as whom to receive a weight broadcast (see `prime_rl.weight_broadcast`); the orchestrator sends it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(max_length=255)
+    """Address of trainer rank 0's rendezvous store."""
+    port: int = Field(ge=1, le=65535)
+    """Port of that store."""
+    session: str = Field(pattern=r"^[0-9a-f]{1,64}$")
+    """The trainer process's session id (from its store)."""
+    generation: int = Field(ge=1)
+    """Which group of the session: a new one whenever the set of servers changes."""
+    rank: int = Field(ge=1)
+    """Group rank of this server's first worker (the trainer is rank 0)."""
+    world_size: int = Field(ge=2)
+    """Members of the group: the trainer and every worker of every receiving server."""
+    backend: Literal["gloo", "nccl"]
+    """torch.distributed backend of the group."""
+    timeout: float = Field(gt=0, le=3600)
+    """Seconds each part of the transfer may take."""
+
+
 class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    weight_dir: str
+    weight_dir: str | None = None
     """Absolute path of a directory of HF safetensors with the served model's tensor names, shapes and dtypes."""
+    broadcast: BroadcastSpec | None = None
+    """Receive the weights from the trainer's broadcast instead of a directory."""
     version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
-    """Policy version reported per token by /inference/v1/generate; default: the directory's name."""
+    """Policy version reported per token by /inference/v1/generate; default: the directory's name, or `step_<n>` for
+    a broadcast of step n."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpdateWeightsRequest:
+        if (self.weight_dir is None) == (self.broadcast is None):
+            raise ValueError("give exactly one of weight_dir and broadcast")
+        return self
 
 
 class ReloadWeightsRequest(BaseModel):
@@ -55,16 +90,24 @@ class WeightsUnknownError(Exception):
     """A load failed and the previous weights could not be restored: what the engine holds is unknown."""
 
 
+class BroadcastRefused(Exception):
+    """The broadcast's tensors do not fit the served model; every member stopped before any weight changed."""
+
+
+class BroadcastNotStarted(Exception):
+    """The broadcast failed before any weight changed (no trainer, a member missing): nothing to restore."""
+
+
 class WeightSwapper:
     """Swaps the served weights one at a time, keeping in-flight requests.
 
-    Sequence per swap: pause (requests stay queued) -> reload in place on every worker -> set the version ->
-    reset the prefix cache (cached KV was computed by the old weights) -> resume.
+    Sequence per swap: pause (requests stay queued) -> reload in place on every worker, from a directory or a
+    broadcast -> set the version -> reset the prefix cache (cached KV was computed by the old weights) -> resume.
 
-    A failed load may leave some layers new and some old, so the last good weights are loaded again. If that
-    fails too (their directory was pruned meanwhile, say), `unknown` says why and the engine stays paused:
-    no token is generated on unknown weights, `WeightsUnknownGate` answers 503 until a load succeeds, and
-    requests in flight continue on the next weights that load.
+    A failed load may leave some layers new and some old, so the last good weights are loaded again. That is
+    impossible when they came by broadcast, or when their directory was pruned meanwhile: then `unknown` says why
+    and the engine stays paused: no token is generated on unknown weights, `WeightsUnknownGate` answers 503 until a
+    load succeeds, and requests in flight continue on the next weights that load.
     """
 
     def __init__(self, engine_client: Any, base_dir: Path, roots: list[Path]):
@@ -72,41 +115,69 @@ class WeightSwapper:
         self.base_dir = base_dir
         self.roots = roots
         self.expected = safetensors_specs(base_dir)
-        self.current_dir = base_dir
+        self.current_dir: Path | None = base_dir
+        """Where the served weights can be read again; None when they came by broadcast."""
         self.version = BASE_VERSION
         self.unknown: str | None = None
         self.lock = asyncio.Lock()
+        parallel = engine_client.vllm_config.parallel_config
+        self.workers = parallel.world_size * parallel.data_parallel_size
+        """Workers that load weights (each is one member of a broadcast group)."""
 
-    async def _load(self, weight_dir: Path, version: str) -> None:
-        await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
-        await self.engine.update_weight_version(version)
+    async def load_dir(self, weight_dir: Path, version: str) -> float:
+        async def load() -> tuple[Path | None, str]:
+            await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
+            return weight_dir, version
 
-    async def swap(self, weight_dir: Path, version: str) -> float:
+        return (await self._swap(load))[0]
+
+    async def receive(self, spec: BroadcastSpec, version: str | None) -> tuple[float, str]:
+        """Receive the trainer's broadcast; returns the seconds it took and the version now served."""
+        expected = {name: [s.dtype, list(s.shape)] for name, s in self.expected.items()}
+
+        async def load() -> tuple[Path | None, str]:
+            results = await self.engine.collective_rpc("prime_receive_weights", args=(spec.model_dump(), expected))
+            for result in results:
+                if "refused" in result:
+                    raise BroadcastRefused(result["refused"])
+                if "not_started" in result:
+                    raise BroadcastNotStarted(result["not_started"])
+            return None, version or f"step_{results[0]['step']}"
+
+        return await self._swap(load)
+
+    async def _swap(self, load: Callable[[], Awaitable[tuple[Path | None, str]]]) -> tuple[float, str]:
         async with self.lock:
             start = time.perf_counter()
             await self.engine.pause_generation(mode="keep", clear_cache=False)
             try:
                 try:
-                    await self._load(weight_dir, version)
+                    source, version = await load()
+                    await self.engine.update_weight_version(version)
+                except (BroadcastRefused, BroadcastNotStarted):
+                    raise  # no weight changed
                 except Exception as e:
-                    logger.exception(f"loading {weight_dir} failed")
+                    logger.exception("loading weights failed")
                     await self._restore(e)
                     raise
                 finally:
                     await self.engine.reset_prefix_cache(reset_running_requests=True)
-                self.current_dir, self.version, self.unknown = weight_dir, version, None
+                self.current_dir, self.version, self.unknown = source, version, None
             finally:
                 if self.unknown is None:
                     await self.engine.resume_generation()
             seconds = time.perf_counter() - start
-            logger.info(f"serving weights {version} from {weight_dir} (swap took {seconds:.3f}s)")
-            return seconds
+            logger.info(f"serving weights {version} from {source or 'a broadcast'} (swap took {seconds:.3f}s)")
+            return seconds, version
 
     async def _restore(self, load_error: Exception) -> None:
         """Reload the last good weights after a failed load; raises `WeightsUnknownError` if that is impossible."""
+        if self.unknown is None and self.current_dir is None:
+            self.unknown = f"{self.version} came by broadcast and cannot be read again"
         if self.unknown is None:
             try:
-                await self._load(self.current_dir, self.version)
+                await self.engine.collective_rpc("prime_load_weights", args=(str(self.current_dir),))
+                await self.engine.update_weight_version(self.version)
                 logger.warning(f"restored {self.version} from {self.current_dir}")
                 return
             except Exception as e:
@@ -196,12 +267,30 @@ async def _parse(request: Request, model: type[BaseModel], empty_ok: bool = Fals
 
 async def _swap(swapper: WeightSwapper, path: Path, version: str) -> JSONResponse:
     try:
-        seconds = await swapper.swap(path, version)
+        seconds = await swapper.load_dir(path, version)
     except WeightsUnknownError as e:
         return _error(503, f"{e}; serving nothing until a load succeeds")
     except Exception as e:
         return _error(500, f"loading {path} failed ({clip(e)}); still serving {swapper.version}")
     return JSONResponse({"status": "ok", "version": version, "seconds": round(seconds, 4)})
+
+
+async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | None) -> JSONResponse:
+    last = spec.rank + swapper.workers - 1
+    if last >= spec.world_size:
+        return _error(422, f"ranks {spec.rank}..{last} of this server's {swapper.workers} worker(s) exceed world_size")
+    try:
+        seconds, version = await swapper.receive(spec, version)
+    except BroadcastRefused as e:
+        return _error(422, f"broadcast refused: {clip(e, 1000)}; still serving {swapper.version}")
+    except BroadcastNotStarted as e:
+        return _error(500, f"broadcast failed before any weight changed ({clip(e)}); still serving {swapper.version}")
+    except WeightsUnknownError as e:
+        return _error(503, f"{e}; serving nothing until a load succeeds")
+    except Exception as e:
+        return _error(500, f"receiving the broadcast failed ({clip(e)}); still serving {swapper.version}")
+    step = int(version.removeprefix("step_")) if version.removeprefix("step_").isdigit() else None
+    return JSONResponse({"status": "ok", "version": version, "step": step, "seconds": round(seconds, 4)})
 
 
 router = APIRouter()
@@ -213,6 +302,8 @@ async def update_weights(request: Request) -> JSONResponse:
     if isinstance(req, JSONResponse):
         return req
     swapper: WeightSwapper = request.app.state.prime_swapper
+    if req.broadcast is not None:
+        return await _receive(swapper, req.broadcast, req.version)
     try:
         path = await asyncio.to_thread(check_weight_dir, req.weight_dir, swapper.roots, swapper.expected)
     except WeightDirError as e:
@@ -227,6 +318,16 @@ async def reload_weights(request: Request) -> JSONResponse:
         return req
     swapper: WeightSwapper = request.app.state.prime_swapper
     return await _swap(swapper, swapper.base_dir, BASE_VERSION)
+
+
+@router.get("/weights")
+async def weights(request: Request) -> JSONResponse:
+    """What is served: its version, where it came from, and how many workers a broadcast group needs for us."""
+    if not _authorized(request):
+        return _error(401, "missing or wrong API key")
+    swapper: WeightSwapper = request.app.state.prime_swapper
+    source = None if swapper.unknown else (str(swapper.current_dir) if swapper.current_dir else "broadcast")
+    return JSONResponse({"version": swapper.version, "source": source, "workers": swapper.workers})
 
 
 class WeightsUnknownGate:

@@ -100,25 +100,45 @@ def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, Ten
         raise WeightDirError(400, f"weight_dir {shown} is not a usable path ({reason})") from None
     if not specs:
         raise WeightDirError(422, f"weight_dir {shown} holds no *.safetensors files")
+    problem = spec_problem(specs, expected, "weight_dir")
+    if problem is not None:
+        raise WeightDirError(422, problem)
+    return resolved
+
+
+def spec_problem(specs: dict[str, TensorSpec], expected: dict[str, TensorSpec], what: str) -> str | None:
+    """Why tensors with `specs` cannot replace the served model's (`expected`), or None: the same names, shapes and
+    float-compatible dtypes. `what` names the source in the message."""
     unknown = sorted(set(specs) - set(expected))
     if unknown:
-        raise WeightDirError(422, f"weight_dir has tensors the served model does not: {names(unknown)}")
+        return f"{what} has tensors the served model does not: {names(unknown)}"
     missing = sorted(set(expected) - set(specs))
     if missing:
-        raise WeightDirError(422, f"weight_dir lacks tensors of the served model: {names(missing)}")
+        return f"{what} lacks tensors of the served model: {names(missing)}"
     wrong = [
         f"{n}: {specs[n].shape} != {expected[n].shape}" for n in sorted(specs) if specs[n].shape != expected[n].shape
     ]
     if wrong:
-        raise WeightDirError(422, f"weight_dir tensor shapes differ from the served model: {names(wrong)}")
+        return f"{what} tensor shapes differ from the served model: {names(wrong)}"
     wrong = [
         f"{n}: {specs[n].dtype} != {expected[n].dtype}"
         for n in sorted(specs)
         if not dtypes_compatible(specs[n].dtype, expected[n].dtype)
     ]
     if wrong:
-        raise WeightDirError(422, f"weight_dir tensor dtypes differ from the served model: {names(wrong)}")
-    return resolved
+        return f"{what} tensor dtypes differ from the served model: {names(wrong)}"
+    return None
+
+
+TORCH_TO_SAFETENSORS = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def header_problem(header, expected: dict) -> str | None:
+    """`spec_problem` for a broadcast's header (`weight_broadcast.Header`); `expected` as sent over RPC (lists)."""
+    dtype = TORCH_TO_SAFETENSORS.get(header.dtype, header.dtype)
+    specs = {name: TensorSpec(dtype, tuple(shape)) for name, shape in header.specs().items()}
+    served = {name: TensorSpec(d, tuple(shape)) for name, (d, shape) in expected.items()}
+    return spec_problem(specs, served, "the broadcast")
 
 
 def names(items: list[str], count: int = 5) -> str:

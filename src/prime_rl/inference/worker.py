@@ -14,8 +14,56 @@ class WeightSwapExtension:
         if not os.path.isdir(weight_dir):
             # vLLM would take a path that is not a directory for a hub id and go looking for it online.
             raise FileNotFoundError(f"weight directory {weight_dir} does not exist")
+        self._prime_reload(weights_path=weight_dir)
+
+    def prime_receive_weights(self, spec: dict, expected: dict) -> dict:
+        """Join the trainer's broadcast group `spec` describes (or reuse it) and reload every weight in place from it,
+        layer by layer as the buffers arrive. Returns {"step": n}; {"refused": why} when the header does not fit the
+        served model (every member then stops, before any weight changed); {"not_started": why} when joining or the
+        header failed (no weight changed either)."""
+        from prime_rl.inference.weights import header_problem
+        from prime_rl.weight_broadcast import agree, buffer_device, receive_header, receive_tensors
+
+        device = buffer_device(spec["backend"], self.device)
         try:
-            self.reload_weights(weights_path=weight_dir, is_checkpoint_format=True)
+            group = self._prime_group(spec)
+            header = receive_header(group, device)
+            problem = header_problem(header, expected)
+            if not agree(group, problem is None, device):
+                return {"refused": problem or "another member of the group refused the weights"}
+        except Exception as e:
+            self.__dict__.get("_prime_groups", {}).clear()  # a broken group is never used again
+            logger.warning(f"weight broadcast failed before any weight changed: {e}")
+            return {"not_started": f"{type(e).__name__}: {e}"}
+        try:
+            self._prime_reload(weights_iterator=receive_tensors(group, header, device))
+        except BaseException:
+            self._prime_groups.clear()
+            raise
+        return {"step": header.step}
+
+    def _prime_group(self, spec: dict):
+        """The group of `spec`'s session and generation: joined once, kept while the membership stays the same."""
+        from prime_rl.weight_broadcast import connect_store, join_group
+
+        key = (spec["host"], spec["port"], spec["session"], spec["generation"])
+        groups = self.__dict__.setdefault("_prime_groups", {})
+        if key not in groups:
+            groups.clear()  # an older generation's peers may be gone
+            store = connect_store(spec["host"], spec["port"], spec["timeout"])
+            parallel = self.vllm_config.parallel_config
+            index = parallel.data_parallel_rank * parallel.world_size + self.rank
+            rank = spec["rank"] + index
+            group = join_group(
+                store, spec["session"], spec["generation"], rank, spec["world_size"], spec["backend"], spec["timeout"]
+            )
+            groups[key] = (store, group)  # the store stays open as long as its group
+            logger.info(f"joined weight broadcast generation {spec['generation']} as rank {rank}/{spec['world_size']}")
+        return groups[key][1]
+
+    def _prime_reload(self, **source) -> None:
+        try:
+            self.reload_weights(is_checkpoint_format=True, **source)
         except BaseException:
             self._prime_end_failed_reload()
             raise

@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ServedModelConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ServedModelConfig, WeightBroadcastConfig
 from prime_rl.orchestrator.buffer import BufferConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -189,6 +189,9 @@ class OrchestratorConfig(EntrypointConfig):
     stall_timeout: float = Field(1800.0, gt=0)
     """Seconds without progress (an accepted group, or weights the next batch needs) before the run fails, naming
     what it waited for."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """How new policies reach the servers: read from `broadcasts/`, or an in-memory broadcast from the trainer."""
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":

@@ -20,6 +20,7 @@ from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batc
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import compute_advantages
+from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
@@ -181,7 +182,11 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
 
     monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)
-    servers = InferenceServers(config.client.base_url, config.client.api_key_var, config.client.timeout, output_dir)
+    broadcast = (
+        BroadcastClient(config.weight_broadcast, config.stall_timeout) if config.weight_broadcast.in_memory else None
+    )
+    client = config.client
+    servers = InferenceServers(client.base_url, client.api_key_var, client.timeout, output_dir, broadcast)
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
     lag = LoopLagMonitor()
     lag_task = asyncio.create_task(lag.run())

@@ -6,9 +6,10 @@ batch it is started for: finished rollouts and in-flight groups count towards th
 once that batch is covered new groups count towards the next one, which needs a newer policy. The count is in
 rollouts, not groups: a group that lost rollouts (an error, a sample longer than `seq_len`) covers less of its
 batch, so another group for the same batch may start at once. A group that may not start yet simply waits; when
-the batch being filled itself needs a newer policy, the scheduler waits for the trainer's
-`broadcasts/step_m/STABLE` and moves every server to it first (the async barrier). Newer published weights are
-loaded as soon as they appear, so most groups run on a fresher policy than required.
+the batch being filled itself needs a newer policy, the scheduler waits for the trainer to publish it (its
+`broadcasts/step_m/STABLE`, or the step announced for an in-memory broadcast) and moves every server to it first
+(the async barrier). Newer published weights are loaded as soon as they appear, so most groups run on a fresher
+policy than required.
 
 A group's version is the oldest policy that produced any of its tokens: vLLM's per-token versions where it
 reports them, else the policy served when the group started. Finished groups that are too old for the batch
@@ -197,38 +198,40 @@ class Scheduler:
     async def ensure_policy(self, batch: int) -> None:
         """Barrier: the servers serve at least `pi_{batch-1-k}`; load anything newer that is published."""
         needed = min_policy_for(batch, self.k)
-        if self.servers.version < needed:
-            path = self.servers.weight_dir(needed) / "STABLE"
-            if not path.exists():
-                await self._wait_for(path, f"batch {batch} needs policy step {needed} (k={self.k})")
-        latest = self.servers.latest_stable()
+        if self.servers.version < needed and self.servers.latest_published() < needed:
+            await self._wait_for(needed, f"batch {batch} needs policy step {needed} (k={self.k})")
+        latest = self.servers.latest_published()
         if latest > self.servers.version:
             await self.swap(max(latest, needed))
 
-    async def _wait_for(self, path, why: str) -> None:
-        logger.info(f"{why}: waiting for {path}")
+    async def _wait_for(self, step: int, why: str) -> None:
+        where = self.servers.where(step)
+        logger.info(f"{why}: waiting for {where}")
         start = warned = time.monotonic()
-        while not path.exists():
+        while self.servers.latest_published() < step:
             await asyncio.sleep(self.config.weights_poll_interval)
             self._check_fatal()
             now = time.monotonic()
             if now - start > self.config.stall_timeout:
                 raise StallError(
-                    f"{why}, but {path} did not appear within {now - start:.0f}s (stall_timeout): the trainer "
+                    f"{why}, but it did not appear within {now - start:.0f}s (stall_timeout) in {where}: the trainer "
                     "publishes it after that training step; is it running and training?"
                 )
             if now - warned > WAIT_WARNING_INTERVAL:
-                logger.warning(f"{why}: still waiting for {path} ({now - start:.0f}s; written by the trainer)")
+                logger.warning(f"{why}: still waiting for {where} ({now - start:.0f}s; written by the trainer)")
                 warned = now
         self.stats.wait_for_weights += time.monotonic() - start
 
     async def swap(self, step: int) -> None:
         old = self.servers.version
         seconds = await self.servers.load_policy(step)
+        if self.servers.version == old:
+            return  # no server to give it to (all recovering): they get the current policy when back
         self.stats.update_weights += seconds
         self.stats.swaps += 1
         self.liveness.progress()  # the trainer moved: time spent waiting for it is no rollout stall
-        logger.info(f"policy step {old} -> {step} on {len(self.servers.healthy())} server(s) in {seconds:.3f}s")
+        n = len(self.servers.healthy())
+        logger.info(f"policy step {old} -> {self.servers.version} on {n} server(s) in {seconds:.3f}s")
 
     def _check_fatal(self) -> None:
         if self.servers.fatal is not None:

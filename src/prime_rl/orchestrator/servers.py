@@ -3,7 +3,9 @@
 Generation traffic runs in the rollout workers; this module only sends admin calls, over one small dedicated
 connection pool per server, so a weight update never queues behind thousands of generate requests.
 All servers always serve the same policy: a swap goes to every server and completes on all before the
-orchestrator's `version` moves.
+orchestrator's `version` moves. A policy comes from `broadcasts/step_n/` (the base model for step 0), or, with an
+in-memory broadcast, straight from the trainer to every server at once (`broadcast.py`); a server that restarted
+then rejoins at a transfer of the trainer's current policy to all servers, unless its policy is on disk.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 from loguru import logger
 
+from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
 
 LOAD_ATTEMPTS = 3
@@ -28,8 +31,19 @@ class ServerError(RuntimeError):
 
 
 class InferenceServers:
-    def __init__(self, base_urls: list[str], api_key_var: str, timeout: float, output_dir: Path):
+    def __init__(
+        self,
+        base_urls: list[str],
+        api_key_var: str,
+        timeout: float,
+        output_dir: Path,
+        broadcast: BroadcastClient | None = None,
+    ):
         self.urls = list(base_urls)
+        self.broadcast = broadcast
+        """Set for an in-memory weight broadcast; None: every policy is read from `broadcasts/`."""
+        self.workers: dict[str, int] = {}
+        """Workers per server (members of a broadcast group), asked once per server life."""
         key = os.environ.get(api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
@@ -71,28 +85,61 @@ class InferenceServers:
         except TimeoutError as e:
             raise ServerError(f"inference server(s) not healthy after {timeout:.0f}s: {self.urls}") from e
 
-    async def _load_on(self, url: str, step: int) -> float:
-        """Load `pi_step` on one server. A 4xx (bad weights, wrong key) raises `ServerError`: retrying cannot help.
-        A dropped connection or a 5xx (the server died or failed mid-load) raises `httpx.HTTPError`: recoverable."""
-        if step == 0:
-            response = await self.admin[url].post("/reload_weights", json={})
-        else:
-            body = {"weight_dir": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
-            response = await self.admin[url].post("/update_weights", json=body)
+    async def _post(self, url: str, route: str, body: dict, what: str) -> dict:
+        """An admin POST. A 4xx (bad weights, wrong key) raises `ServerError`: retrying cannot help. A dropped
+        connection or a 5xx (the server died or failed mid-load) raises `httpx.HTTPError`: recoverable."""
+        response = await self.admin[url].post(route, json=body)
         if response.status_code >= 500:
             raise httpx.HTTPStatusError(
-                f"{url}: loading policy step {step} failed ({response.status_code}): {response.text[:500]}",
+                f"{url}: {what} failed ({response.status_code}): {response.text[:500]}",
                 request=response.request,
                 response=response,
             )
         if response.status_code != 200:
-            raise ServerError(
-                f"{url}: loading policy step {step} failed ({response.status_code}): {response.text[:500]}"
-            )
-        return float(response.json().get("seconds", 0.0))
+            raise ServerError(f"{url}: {what} failed ({response.status_code}): {response.text[:500]}")
+        return response.json()
+
+    async def _load_on(self, url: str, step: int) -> float:
+        """Load `pi_step` on one server from disk (step 0: its base model)."""
+        if step == 0:
+            reply = await self._post(url, "/reload_weights", {}, "loading policy step 0")
+        else:
+            body = {"weight_dir": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
+            reply = await self._post(url, "/update_weights", body, f"loading policy step {step}")
+        return float(reply.get("seconds", 0.0))
+
+    def _from_trainer(self, step: int) -> bool:
+        """Whether `pi_step` (or newer) comes by broadcast: the trainer holds it and it is not only on disk."""
+        return step > 0 and self.broadcast is not None and self.broadcast.published() >= step
+
+    async def _broadcast_to(self, urls: list[str]) -> list[tuple[str, BaseException | None]]:
+        """One transfer of the trainer's current policy to `urls`; sets `version` to its step. Each server's outcome
+        (None: it serves the new policy)."""
+        targets, outcomes = [], []
+        for url in urls:
+            try:
+                if url not in self.workers:
+                    response = await self.admin[url].get("/weights")
+                    response.raise_for_status()
+                    self.workers[url] = int(response.json()["workers"])
+                targets.append((url, self.workers[url]))
+            except httpx.HTTPError as e:
+                outcomes.append((url, e))
+        if not targets:
+            return outcomes
+
+        async def post(url: str, body: dict) -> dict:
+            return await self._post(url, "/update_weights", body, "receiving the weight broadcast")
+
+        step, results = await self.broadcast.transfer(targets, post)
+        self.version = step
+        for (url, _), result in zip(targets, results, strict=True):
+            outcomes.append((url, result if isinstance(result, BaseException) else None))
+        return outcomes
 
     async def load_policy(self, step: int) -> float:
-        """Every healthy server serves `pi_step` (0 = base weights) when this returns; the wall time it took.
+        """Every healthy server serves `pi_step` (0 = base weights), or, by broadcast, the trainer's newer policy
+        (`version` says which) when this returns; the wall time it took.
 
         A server that fails during the swap (connection lost, 5xx) is taken out of rotation like one that fails
         during generation, and recovery moves it to the new policy before it gets groups again: no group is ever
@@ -100,17 +147,23 @@ class InferenceServers:
         async with self.lock:
             start = time.perf_counter()
             urls = self.healthy()
-            results = await asyncio.gather(*(self._load_on(url, step) for url in urls), return_exceptions=True)
-            self.version = step  # recovering servers are moved to it before they serve again
-            for url, result in zip(urls, results, strict=True):
+            if self._from_trainer(step):
+                outcomes = await self._broadcast_to(urls)
+            else:
+                results = await asyncio.gather(*(self._load_on(url, step) for url in urls), return_exceptions=True)
+                self.version = step  # recovering servers are moved to it before they serve again
+                outcomes = [
+                    (url, r if isinstance(r, BaseException) else None) for url, r in zip(urls, results, strict=True)
+                ]
+            for url, result in outcomes:
                 if isinstance(result, ServerError):
                     raise result
                 if isinstance(result, httpx.HTTPError):
-                    self.mark_failed(url, f"weight swap to policy step {step} failed: {result!r}")
+                    self.mark_failed(url, f"weight swap to policy step {self.version} failed: {result!r}")
                 elif isinstance(result, BaseException):
                     raise result
             seconds = time.perf_counter() - start
-        logger.debug(f"servers now serve policy step {step} ({seconds:.3f}s)")
+        logger.debug(f"servers now serve policy step {self.version} ({seconds:.3f}s)")
         return seconds
 
     def mark_failed(self, url: str, reason: str) -> None:
@@ -123,8 +176,9 @@ class InferenceServers:
 
     async def _recover(self, url: str, timeout: float = 1800.0) -> None:
         """Wait until the server answers (healthy, or up with its weights in an unknown state after a failed swap),
-        then load the current policy; repeat while loading fails on a transient error."""
+        then give it the current policy; repeat while that fails on a transient error."""
         deadline = time.monotonic() + timeout
+        self.workers.pop(url, None)  # a restarted server may have another layout
         try:
             for attempt in itertools.count(1):
                 remaining = deadline - time.monotonic()
@@ -134,7 +188,7 @@ class InferenceServers:
                 await wait_healthy([self.root(url)], remaining, accept=accept, client=self.admin[url])
                 try:
                     async with self.lock:  # a swap in progress finishes first, so we load the version it set
-                        await self._load_on(url, self.version)
+                        await self._catch_up(url)
                     break
                 except httpx.HTTPError as e:
                     if attempt >= LOAD_ATTEMPTS:  # answering, yet failing to load the same weights: not transient
@@ -147,14 +201,40 @@ class InferenceServers:
         finally:
             self.recovering.pop(url, None)
 
-    def latest_stable(self) -> int:
-        """Highest step with a published `broadcasts/step_n/STABLE` (0 if none)."""
+    async def _catch_up(self, url: str) -> None:
+        """Give a returning server the policy the others serve: from disk when it is there, else by a broadcast of the
+        trainer's current policy to every healthy server and this one (so all serve the same, maybe newer, policy)."""
+        on_disk = self.version == 0 or (self.weight_dir(self.version) / "STABLE").exists()
+        if self.broadcast is None or on_disk:
+            await self._load_on(url, self.version)
+            return
+        for other, result in await self._broadcast_to([*self.healthy(), url]):
+            if isinstance(result, BaseException) and other == url:
+                raise result
+            if isinstance(result, httpx.HTTPError):
+                self.mark_failed(other, f"weight broadcast of policy step {self.version} failed: {result!r}")
+            elif isinstance(result, BaseException):
+                raise result
+
+    def latest_published(self) -> int:
+        """Newest policy step the trainer published: on disk (`broadcasts/step_n/STABLE`), or held by the trainer for
+        a broadcast (0 if none)."""
         steps = [
             int(p.parent.name.removeprefix("step_")) for p in (self.output_dir / "broadcasts").glob("step_*/STABLE")
         ]
-        return max(steps, default=0)
+        in_memory = self.broadcast.published() if self.broadcast is not None else 0
+        return max(steps + [in_memory], default=0)
+
+    def where(self, step: int) -> str:
+        """Where `pi_step` will appear, for messages."""
+        path = self.weight_dir(step) / "STABLE"
+        if self.broadcast is None:
+            return str(path)
+        return f"{path} or the trainer's weight-broadcast store at {self.broadcast.address}"
 
     async def close(self) -> None:
         for task in self.recovering.values():
             task.cancel()
+        if self.broadcast is not None:
+            await asyncio.to_thread(self.broadcast.finish)
         await asyncio.gather(*(client.aclose() for client in self.admin.values()))

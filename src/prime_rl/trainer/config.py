@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig
+from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig, WeightBroadcastConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
 
@@ -192,6 +192,9 @@ class TrainerConfig(EntrypointConfig):
 
     bench: BenchConfig | None = None
     """Benchmark on fake data instead of training on rollouts (`--bench` enables); prints a summary table."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """How each new policy reaches inference: the filesystem, or an in-memory broadcast from rank 0."""
 
     seq_len: int = Field(2048, ge=1)
     """Maximum tokens per packed row; a sample longer than this is an error."""

@@ -5,16 +5,17 @@
 
 Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
 forward/backward every row (loss normalised by the step's total loss tokens) -> clip, optimizer and
-scheduler step -> publish `broadcasts/step_n` (pi_n) -> delete the trained batch and the published steps
-nothing needs any more -> maybe checkpoint. What `sft` does alike (the process around the loop, model and
-optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s.
+scheduler step -> publish pi_n: write `broadcasts/step_n`, or (in-memory broadcast) announce it and wait until
+the orchestrator has taken it -> delete the trained batch and the published steps nothing needs any more ->
+maybe checkpoint. What `sft` does alike (the process around the loop, model and optimizer setup, dealing out
+rows, the common metrics) is `scaffold.py`'s.
 """
 
 import math
 import random
 import time
+from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,12 @@ from prime_rl.batch import (
     read_batch,
     remove_batch,
     validate_batch,
-    wait_for_batch,
 )
 from prime_rl.config.loader import load_config
+from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import World
+from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.logprobs import shifted_logprobs
 from prime_rl.trainer.loss import compute_loss
 from prime_rl.trainer.packing import PackedRow
@@ -63,7 +64,11 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
     """Train until `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
     tokenizer = load_tokenizer(config.model)
     max_steps = config.bench.steps if config.bench else config.max_steps
+    in_memory = config.weight_broadcast.in_memory and config.bench is None
+    sender = WeightSender(config.weight_broadcast, world) if in_memory else None  # listening before the model loads
     run = build_run(config, world, "trainer", max_steps, "training")
+    if sender is not None:
+        sender.publish(run.progress.step)  # a server (re)starting before step 1 gets these weights
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
     bench_rows: list[dict] = []
@@ -71,6 +76,10 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
     while max_steps is None or run.progress.step < max_steps:
         step = run.progress.step + 1
         t0 = time.perf_counter()
+        if config.bench is None:
+            path = batch_path(config.output_dir, step)
+            what = f"{path}, which the orchestrator writes (is one running on this output_dir?)"
+            wait_until(world, path.exists, what, config.batch_timeout, sender, run)
         rows, info = next_rows(world, config.seq_len, partial(take_batch, config, step, vocab_size), BATCH_ERRORS)
         t_data = time.perf_counter() - t0
 
@@ -81,18 +90,16 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         sums = all_reduce_sums(totals, world)
         t_train = time.perf_counter() - t0 - t_data
 
-        t_pub = 0.0
+        times = {}
         if config.bench is None:
-            t_pub = time.perf_counter()
-            publish(run, tokenizer, broadcast_dir(config.output_dir, step), world)
-            t_pub = time.perf_counter() - t_pub
+            times = publish(run, tokenizer, step, max_steps, config, world, sender)
             if world.is_main:
                 remove_batch(config.output_dir, step)  # trained: nothing reads it again
                 live = run.ckpt.live_steps() if run.ckpt else set()
                 prune_broadcasts(config.output_dir, step, config.max_async_level, keep=live)
             run.maybe_checkpoint(step, max_steps)
 
-        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, t_pub)
+        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, times)
         if world.is_main:
             log_step(step, metrics, monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
@@ -105,13 +112,64 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         print(format_bench_table(bench_rows))
 
 
+def wait_until(
+    world: World,
+    ready: Callable[[], bool],
+    what: str,
+    timeout: float | None,
+    sender: WeightSender | None,
+    run: Run | None,
+    warn_every: float = 60.0,
+) -> None:
+    """Every rank: block until rank 0's `ready()` holds, sending the weights whenever the orchestrator asks.
+
+    Rank 0 polls and tells the other ranks what happened (they must join every transfer: gathering full tensors is
+    a collective), at least every `HEARTBEAT` seconds, so no collective waits longer than that. Warns every
+    `warn_every` seconds naming `what` it waits for; after `timeout` seconds (None: never) every rank raises
+    `TimeoutError`.
+    """
+    start = time.monotonic()
+    next_warning = start + warn_every
+    while True:
+        event: object = None
+        if world.is_main:
+            last_event, delay = time.monotonic(), 0.01
+            while event is None:
+                now = time.monotonic()
+                if ready():
+                    event = "ready"
+                elif sender is not None and sender.pending():
+                    event = "serve"
+                elif timeout is not None and now - start > timeout:
+                    event = TimeoutError(f"waited {now - start:.0f} s for {what} (timeout {timeout:g} s)")
+                elif now - last_event > HEARTBEAT:
+                    event = "alive"
+                else:
+                    if now > next_warning:
+                        logger.warning(f"waiting {now - start:.0f} s for {what}")
+                        next_warning += warn_every
+                    time.sleep(max(0.0, min(delay, next_warning - now)))
+                    delay = min(2 * delay, 0.25)
+        event = broadcast_object(event, world)
+        if isinstance(event, Exception):
+            raise event
+        if event == "ready":
+            return
+        if event == "serve":
+            sender.serve(run.model, run.export_dtype)
+
+
+HEARTBEAT = 30.0
+"""Seconds rank 0 lets the other ranks wait in one collective while it waits (well under any collective timeout)."""
+
+
 def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[TrainingSample], dict]:
     """Rank 0: the checked samples of batch `step` (random ones with `--bench`) and the policy versions that
     sampled them (the batch file is deleted once trained, so the metrics keep them)."""
     if config.bench is not None:
         samples = fake_samples(config, vocab_size, step)
     else:
-        path = wait_for_batch(batch_path(config.output_dir, step), timeout=config.batch_timeout)
+        path = batch_path(config.output_dir, step)  # there: the loop waited for it
         batch = read_batch(path)
         if batch.step != step:
             raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
@@ -171,22 +229,48 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerC
     return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per row
 
 
-def publish(run: Run, tokenizer, target: Path, world: World) -> None:
-    """Rank 0 writes the policy as an HF directory at `target`, marked `STABLE` once complete, for inference."""
-    state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
-    if world.is_main:
-        save_hf_dir(state, run.model.config, tokenizer, target, STABLE, run.model.generation_config)
-    del state
-    dist.barrier()
+def publish(
+    run: Run,
+    tokenizer,
+    step: int,
+    max_steps: int | None,
+    config: TrainerConfig,
+    world: World,
+    sender: WeightSender | None,
+) -> dict[str, float]:
+    """Make pi_step available to inference; returns the time it took (writing, sending, waiting to be taken).
+
+    Filesystem: rank 0 writes `broadcasts/step_n` (marked `STABLE` once complete). In-memory broadcast: announce
+    the step and wait until the orchestrator has taken it (sending it whenever asked); the directory is still
+    written for a checkpoint step (a resumed orchestrator serves it first) and the last step (the run's result).
+    """
+    start = time.perf_counter()
+    due = run.ckpt is not None and run.ckpt.config.due(step, max_steps)
+    if sender is None or due or step == max_steps:
+        state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
+        if world.is_main:
+            save_hf_dir(state, run.model.config, tokenizer, broadcast_dir(config.output_dir, step), STABLE,
+                        run.model.generation_config)  # fmt: skip
+        del state
+        dist.barrier()
+    written = time.perf_counter() - start
+    if sender is not None and step != max_steps:  # the orchestrator never asks for the last policy
+        sender.publish(step)
+        what = f"the orchestrator to take policy step {step}"
+        wait_until(world, partial(sender.taken_or_unwanted, step), what, config.batch_timeout, sender, run)
+    sent = sender.pop_seconds() if sender is not None else 0.0
+    return {"time_publish": written + sent, "time_wait_taken": time.perf_counter() - start - written - sent}
 
 
-def rl_metrics(sums: dict, info: dict, t_pub: float) -> dict:
-    """What only RL logs: entropy, sampler/trainer mismatch, masked and clipped fractions, policy versions."""
+def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
+    """What only RL logs: entropy, sampler/trainer mismatch, masked and clipped fractions, policy versions, and the
+    time publishing took (`time_wait_taken`: waiting for the orchestrator to take an in-memory policy)."""
     tokens = max(info["loss_tokens"], 1)
     samples = max(sums.get("samples", 0), 1)
     metrics = {
         "entropy": sums["entropy_sum"] / tokens,
-        "time_publish": t_pub,
+        "time_publish": times.get("time_publish", 0.0),
+        "time_wait_taken": times.get("time_wait_taken", 0.0),
         "policy_version/min": info["policy_version/min"],
         "policy_version/max": info["policy_version/max"],
         "mismatch_kl": sums.get("mismatch_kl_sum", 0.0) / tokens,

@@ -1,0 +1,206 @@
+"""The in-memory weight broadcast's protocol, end to end without vLLM: the real trainer side (`WeightSender`, serving
+from the trainer's wait loop on a one-rank world), the real orchestrator side (`BroadcastClient`) and stand-in workers
+(`broadcast_receiver.py`, long-lived processes that receive as vLLM's workers do). The vLLM side is
+tests/integration/test_weight_broadcast.py."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from prime_rl.config import WeightBroadcastConfig
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.orchestrator.broadcast import BroadcastClient
+from prime_rl.trainer.broadcast import WeightSender, header
+from prime_rl.trainer.distributed import init_distributed
+from prime_rl.trainer.train import wait_until
+from prime_rl.utils.net import free_port
+from prime_rl.weight_broadcast import ORCHESTRATOR_DONE, Header, layer_groups, served_key
+
+RECEIVER = Path(__file__).with_name("broadcast_receiver.py")
+TIMEOUT = 20.0
+
+
+def test_layer_groups_put_non_layer_tensors_first_and_keep_order_within_a_layer():
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.10.mlp.up_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.2.input_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    assert layer_groups(names) == [
+        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"],
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"],
+        ["model.layers.2.input_layernorm.weight"],
+        ["model.layers.10.mlp.up_proj.weight"],  # numeric order: 10 after 2
+    ]
+
+
+def test_header_round_trips_and_lists_a_tied_output_layer_once(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(TinyModelConfig(output=tmp_path / "m")))
+    h = header(model, 7, torch.bfloat16)
+    assert Header.decode(h.encode()) == h
+    assert h.step == 7 and h.dtype == "bfloat16"
+    specs = h.specs()
+    assert "lm_head.weight" not in specs and specs["model.embed_tokens.weight"] == tuple(
+        model.model.embed_tokens.weight.shape
+    )
+    assert set(specs) == {n for n, _ in model.named_parameters()}  # every parameter once
+    assert [len(g) for g in h.groups[1:]] == [len(h.groups[1])] * (len(h.groups) - 1)  # one group per layer
+
+
+class Receiver:
+    """A stand-in worker process: one JSON spec in, one JSON answer out, per transfer."""
+
+    def __init__(self, name: str, tmp: Path):
+        self.name, self.tmp = name, tmp
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RECEIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.count = 0
+
+    async def receive(self, body: dict, **test_fields) -> dict:
+        self.count += 1
+        out = self.tmp / f"{self.name}-{self.count}.pt"
+        line = json.dumps({**body["broadcast"], "out": str(out), **test_fields}) + "\n"
+
+        def exchange() -> dict:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+            if not answer:
+                raise ConnectionError(f"{self.name} died (exit {self.proc.wait()})")
+            return json.loads(answer)
+
+        reply = await asyncio.to_thread(exchange)
+        if "step" in reply:
+            reply["tensors"] = torch.load(out)
+        return reply
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    """The trainer side on a one-rank world: `WeightSender` hosting the store, serving from `wait_until` in a thread
+    (as the trainer does while it waits for a batch) until the orchestrator says it is done."""
+    world = init_distributed()
+    config = WeightBroadcastConfig(type="gloo", port=free_port(), timeout=TIMEOUT)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(TinyModelConfig(output=tmp_path / "model")))
+    sender = WeightSender(config, world)
+    run = SimpleNamespace(model=model, export_dtype=torch.bfloat16)
+    errors = []
+
+    def serve() -> None:
+        try:
+            done = lambda: sender.store.check([ORCHESTRATOR_DONE])  # noqa: E731
+            wait_until(world, done, "the test to finish", 120, sender, run)
+        except BaseException as e:  # pragma: no cover - reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    yield SimpleNamespace(config=config, sender=sender, model=model, errors=errors)
+    sender.store.set(ORCHESTRATOR_DONE, "1")
+    thread.join(30)
+    dist.destroy_process_group()
+    assert not errors, errors
+
+
+def expected(model, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    return {name: p.detach().to(dtype) for name, p in model.named_parameters()}
+
+
+def test_every_receiver_gets_the_exact_weights_and_a_dead_one_fails_only_that_transfer(trainer, tmp_path):
+    a, b = Receiver("a", tmp_path), Receiver("b", tmp_path)
+    client = BroadcastClient(trainer.config, ack_timeout=TIMEOUT)
+    receivers = {"a": a, "b": b}
+
+    async def scenario():
+        trainer.sender.publish(1)
+        while client.published() != 1:  # the client connects to the trainer's store lazily
+            await asyncio.sleep(0.05)
+        # Two transfers to both: exact bf16 copies of the parameters, labelled with the step; one group for both.
+        step, results = await client.transfer([("a", 1), ("b", 1)], lambda url, body: receivers[url].receive(body))
+        assert step == 1 and client.generation == 1
+        for result in results:
+            assert result["step"] == 1
+            assert result["tensors"].keys() == expected(trainer.model).keys()
+            for name, tensor in expected(trainer.model).items():
+                assert torch.equal(result["tensors"][name], tensor), name
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(1.0)
+        trainer.sender.publish(2)
+        step, results = await client.transfer([("a", 1), ("b", 1)], lambda url, body: receivers[url].receive(body))
+        assert step == 2 and client.generation == 1  # same members: the group was kept
+        assert all(
+            torch.equal(r["tensors"]["model.norm.weight"], expected(trainer.model)["model.norm.weight"])
+            for r in results
+        )
+
+        # A receiver refuses the header: nobody receives anything (the orchestrator ends the run on the server's 422).
+        step, results = await client.transfer(
+            [("a", 1), ("b", 1)],
+            lambda url, body: receivers[url].receive(body, refuse=url == "b"),
+        )
+        assert [r.get("refused") for r in results] == [True, True]
+        served = json.loads(client.store.get(served_key(client.requests)))
+        assert "refused" in served["error"]
+
+        # b dies after its third tensor of the next transfer (a crashed worker).
+        started = time.monotonic()
+        step, results = await client.transfer(
+            [("a", 1), ("b", 1)],
+            lambda url, body: receivers[url].receive(body, die_after=3 if url == "b" else None),
+        )
+        elapsed = time.monotonic() - started
+        assert isinstance(results[1], ConnectionError)
+        served = json.loads(client.store.get(served_key(client.requests)))
+        # Gloo sees the closed connection at once: the trainer reports it well within the timeout, and goes on.
+        assert "Connection reset by peer" in served["error"] or "Connection closed by peer" in served["error"], served
+        assert elapsed < TIMEOUT / 2, elapsed
+        assert client.members is None  # the next transfer builds a new group
+        generation = client.generation
+
+        # The next transfer goes to a alone, in a new generation: a gets the current weights exactly.
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(0.5)
+        trainer.sender.publish(3)
+        step, results = await client.transfer([("a", 1)], lambda url, body: receivers[url].receive(body))
+        assert step == 3 and client.generation == generation + 1
+        for name, tensor in expected(trainer.model).items():
+            assert torch.equal(results[0]["tensors"][name], tensor), name
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_trainer_waits_for_its_policy_to_be_taken_then_moves_on(trainer):
+    """`taken_or_unwanted` is what `publish` waits on: false until a transfer of the step (or a newer one) succeeded,
+    or the orchestrator said it is done."""
+    sender = trainer.sender
+    sender.publish(4)
+    assert not sender.taken_or_unwanted(4)
+    sender.taken = 4
+    assert sender.taken_or_unwanted(4) and sender.taken_or_unwanted(3) and not sender.taken_or_unwanted(5)
+    sender.store.set(ORCHESTRATOR_DONE, "1")
+    assert sender.taken_or_unwanted(5)
