@@ -1,4 +1,12 @@
 from prime_rl.config.base import BaseConfig, EntrypointConfig, LogConfig
-from prime_rl.config.sections import CheckpointConfig, ModelConfig, ServedModelConfig
+from prime_rl.config.sections import BenchConfig, CheckpointConfig, ModelConfig, ServedModelConfig
 
-__all__ = ["BaseConfig", "CheckpointConfig", "EntrypointConfig", "LogConfig", "ModelConfig", "ServedModelConfig"]
+__all__ = [
+    "BaseConfig",
+    "BenchConfig",
+    "CheckpointConfig",
+    "EntrypointConfig",
+    "LogConfig",
+    "ModelConfig",
+    "ServedModelConfig",
+]
