@@ -2,6 +2,7 @@
 
     uv run rl @ configs/reverse_text/rl.toml
     uv run rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --max-steps 20
+    uv run rl @ run.toml --bench [--bench.steps N]     # a short real run, then one throughput table
 
 Before anything starts, the shared top-level fields (model, max_steps, max_async_level, seq_len, output_dir,
 ckpt, wandb) are copied into the three sections and contradictions are refused. Then: clean stale rollouts and
@@ -9,7 +10,8 @@ weights (or those after the resumed step), start inference and wait until it is 
 orchestrator and the `torchrun` trainer. Every process runs in its own process group and logs to
 `{output_dir}/logs/`; the console follows the orchestrator's and trainer's step lines. When any process
 fails, or on Ctrl-C, every process group is terminated (then killed after a grace period) and `rl` exits
-non-zero naming the process, its exit code and the end of its output.
+non-zero naming the process, its exit code and the end of its output. With `--bench` the run is `bench.steps`
+long, without checkpoints and W&B, and ends with one table of both processes' step metrics (`bench_table`).
 """
 
 from __future__ import annotations
@@ -24,18 +26,27 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
 from loguru import logger
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig, WeightBroadcastConfig
+from prime_rl.config import (
+    BaseConfig,
+    BenchConfig,
+    CheckpointConfig,
+    EntrypointConfig,
+    ModelConfig,
+    WeightBroadcastConfig,
+)
 from prime_rl.config.loader import load_config, to_toml, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.orchestrator import ckpt as orchestrator_ckpt
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
@@ -161,6 +172,10 @@ class RLConfig(EntrypointConfig):
     deployment: DeploymentConfig = DeploymentConfig()
     """Multi-host runs: the roles this host starts, trainer nodes, where the inference servers are."""
 
+    bench: BenchConfig | None = None
+    """A short real run of the whole system (`--bench` enables): `bench.steps` steps with real rollouts and weight
+    updates, checkpoints and W&B off; ends with one table of the orchestrator's and the trainer's step metrics."""
+
     @model_validator(mode="after")
     def _propagate(self) -> RLConfig:
         trainer, orch, inf = self.trainer, self.orchestrator, self.inference
@@ -219,8 +234,25 @@ class RLConfig(EntrypointConfig):
             )
         if self.api_key() is not None:
             _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
+        if self.bench is not None:
+            self._bench()
         self._check_agreement()
         return self
+
+    def _bench(self) -> None:
+        """`--bench`: `bench.steps` steps of the real system, nothing kept for later (checkpoints, W&B)."""
+        trainer, orch = self.trainer, self.orchestrator
+        if any(c is not None and c.resuming for c in (self.ckpt, trainer.ckpt, orch.ckpt)):
+            raise ValueError("--bench is a short fresh run and cannot resume from a checkpoint")
+        for name, section in (("trainer", trainer), ("orchestrator", orch)):
+            if section.bench is not None:
+                raise ValueError(
+                    f"{name}.bench benchmarks the {name} alone; `rl --bench` runs the trainer on the orchestrator's "
+                    f"real batches: leave {name}.bench off"
+                )
+        self.max_steps = trainer.max_steps = orch.max_steps = self.bench.steps
+        self.ckpt = trainer.ckpt = orch.ckpt = None
+        self.wandb = trainer.wandb = orch.wandb = None
 
     def api_key(self) -> str | None:
         """The key the inference servers of this run require (None: none)."""
@@ -538,6 +570,89 @@ def launch(config: RLConfig) -> int:
             follower.join(2)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# `--bench`: one table of both processes' step metrics.
+
+
+BENCH_COLUMNS = [
+    Column("step", "step", "d"),
+    Column("orch s", "orchestrator_seconds", ".2f", summary=True),
+    Column("rollouts/s", "rollouts_per_s", ".1f", summary=True),
+    Column("inf tok/s", "inference_tokens_per_s", ".0f", summary=True),
+    Column("weights wait s", "wait_for_weights", ".2f"),
+    Column("swap s", "update_weights", ".3f"),
+    Column("trainer s", "trainer_seconds", ".2f", summary=True),
+    Column("batch wait s", "wait_for_batch", ".2f"),
+    Column("train s", "train_seconds", ".2f"),
+    Column("publish s", "publish_seconds", ".2f"),
+    Column("taken wait s", "wait_for_taken", ".2f"),
+    Column("train tok/s", "train_tokens_per_s", ".0f", summary=True),
+    Column("MFU %", "mfu", ".2f", summary=True),
+    Column("peak GiB", "peak_memory_gib", ".2f"),
+]
+"""Orchestrator: step time (of which waiting for weights and swapping them), rollouts and tokens (prompt +
+completion) per second through inference. Trainer: step time = waiting for the batch + training + publishing +
+waiting for the orchestrator to take an in-memory policy, trained tokens per second, MFU (`-` without a known GPU
+peak), peak memory."""
+
+
+def bench_rows(lines: Iterable[str]) -> list[dict]:
+    """`metrics.jsonl` lines -> one row per step with the orchestrator's and the trainer's metrics of that step side
+    by side (`BENCH_COLUMNS`' keys; None where a process did not log the step; a step logged twice keeps its later
+    line). The trainer logs tokens/s and MFU over a window of recent steps; the row has this step's own: tokens /
+    training time, and MFU scaled by the same ratio (MFU is proportional to tokens/s)."""
+    logged: dict[str, dict[int, dict]] = {"orchestrator": {}, "trainer": {}}
+    for line in lines:
+        if line.strip():
+            metrics = json.loads(line)
+            if metrics.get("process") in logged:
+                logged[metrics["process"]][int(metrics["step"])] = metrics
+    rows = []
+    for step in sorted(logged["orchestrator"].keys() | logged["trainer"].keys()):
+        orch, trainer = logged["orchestrator"].get(step, {}), logged["trainer"].get(step, {})
+        times = [trainer.get(k) for k in ("time_data", "time_train", "time_publish")]
+        tokens_per_s = mfu = None
+        if trainer.get("tokens") is not None and trainer.get("time_train"):
+            tokens_per_s = trainer["tokens"] / trainer["time_train"]
+            if trainer.get("mfu") is not None and trainer.get("tokens_per_s"):
+                mfu = trainer["mfu"] * tokens_per_s / trainer["tokens_per_s"]
+        rows.append(
+            {
+                "step": step,
+                "orchestrator_seconds": orch.get("time/step"),
+                "rollouts_per_s": orch.get("rollouts_per_s"),
+                "inference_tokens_per_s": orch.get("tokens_per_s"),
+                "wait_for_weights": orch.get("time/wait_for_weights"),
+                "update_weights": orch.get("time/update_weights"),
+                "trainer_seconds": None if None in times else sum(times) + trainer.get("time_wait_taken", 0.0),
+                "wait_for_batch": times[0],
+                "train_seconds": times[1],
+                "publish_seconds": times[2],
+                "wait_for_taken": trainer.get("time_wait_taken"),
+                "train_tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "peak_memory_gib": trainer.get("peak_memory_gib"),
+            }
+        )
+    return rows
+
+
+def bench_table(lines: Iterable[str]) -> str:
+    return format_bench_table(bench_rows(lines), BENCH_COLUMNS)
+
+
+def metrics_size(output_dir: Path) -> int:
+    """Bytes in `metrics.jsonl` now: this run's lines are the ones after them (the file keeps earlier runs')."""
+    path = output_dir / "metrics.jsonl"
+    return path.stat().st_size if path.exists() else 0
+
+
+def print_bench_table(output_dir: Path, start: int) -> None:
+    with open(output_dir / "metrics.jsonl") as f:
+        f.seek(start)
+        print(bench_table(f.read().splitlines()), flush=True)
+
+
 def seed_environment(environ: dict[str, str]) -> None:
     """OUTPUT_DIR, INFERENCE_SERVER_IP, INFERENCE_SERVER_API_KEY (the seed's multi-node variables) set the
     `PRIME_*` variables they stand for, unless those are set themselves."""
@@ -611,7 +726,12 @@ def main(argv: list[str] | None = None) -> None:
     if resume_step is not None:
         resumed = [r for r in ("trainer", "orchestrator") if r in roles]  # the order the single-host log always had
         logger.info(f"resuming {' and '.join(resumed)} from step {resume_step}")
+    if config.bench is not None:
+        logger.info(f"bench: {config.bench.steps} steps, checkpoints and W&B off; a table follows the run")
+    metrics_start = metrics_size(config.output_dir)
     code = launch(config)
+    if code == 0 and config.bench is not None and {"orchestrator", "trainer"} & set(roles):
+        print_bench_table(config.output_dir, metrics_start)
     lock.release()
     sys.exit(code)
 

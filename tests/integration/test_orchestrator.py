@@ -1,5 +1,5 @@
 """The orchestrator against the real vLLM server on the tiny model: token exactness (in-process worker),
-the async bound with a stand-in trainer, the environment mix, resume, and robustness to failures."""
+the async bound with a stand-in trainer, the environment mix, `--bench`, and robustness to failures."""
 
 import json
 import os
@@ -298,6 +298,44 @@ def test_failing_reward_is_counted_and_the_run_goes_on(tied_server):
     assert len(rows) == 3 and sum(m["errors"] for m in rows) > 0
     for n in (1, 2, 3):
         assert len(read_batch(batch_path(out, n)).samples) == 8
+
+
+def test_bench_measures_the_served_weights_and_writes_nothing_a_trainer_reads(tied_server):
+    """`--bench`, no trainer: 3 steps on the weights the server serves (pi_1 here: not reset to base), a stale
+    published policy in the output dir left alone (loading it would fail: it holds no weights), no batch and no
+    checkpoint although `--ckpt` is on, and one table: a row per step, then a summary over steps 2 and 3."""
+    srv = tied_server
+    out = srv.root / "runs" / "bench"
+    stale = out / "broadcasts" / "step_1"
+    stale.mkdir(parents=True)
+    (stale / "STABLE").touch()
+    body = {"weight_dir": str(srv.step_1), "version": "step_1"}
+    assert httpx.post(f"{srv.url}/update_weights", json=body, headers=srv.headers, timeout=60).status_code == 200
+    try:
+        log = run_orchestrator(srv, out, "--bench", "--bench.steps", "3", "--ckpt", "--ckpt.interval", "1")
+        params = {"max_tokens": 2, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
+        request = {"model": str(srv.base), "token_ids": srv.prompt_ids, "sampling_params": params}
+        r = httpx.post(f"{srv.url}/inference/v1/generate", json=request, headers=srv.headers, timeout=60)
+        served = [span["version"] for span in r.json()["choices"][0]["weight_versions"]]
+    finally:
+        httpx.post(f"{srv.url}/reload_weights", json={}, headers=srv.headers, timeout=60)
+    assert served == ["step_1"]
+    assert not list(out.glob("rollouts/step_*")) and not (out / "checkpoints").exists()
+    rows = metrics(out)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    assert all(m["weight_swaps"] == 0 and m["time/wait_for_weights"] == 0 for m in rows)
+    for m in rows:  # the step's time is all accounted for: waiting for rollouts, then building the batch
+        assert m["time/rollouts"] + m["time/batch"] == pytest.approx(m["time/step"], rel=1e-9)
+    lines = log.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("step  seconds"))
+    header, *table, summary = lines[start : start + 5]
+    assert header.split() == [
+        "step", "seconds", "rollouts", "rollouts/s", "sampled", "tok/s", "total", "tok/s", "rollouts", "s", "batch", "s"
+    ]  # fmt: skip
+    assert [row.split()[0] for row in table] == ["1", "2", "3"]
+    assert [int(row.split()[2]) for row in table] == [m["rollouts"] for m in rows]
+    assert all(m["rollouts"] >= 8 for m in rows)
+    assert summary.startswith("summary over 2 steps after the first: seconds "), summary
 
 
 def test_killed_orchestrator_leaves_only_complete_batches(tied_server):

@@ -6,13 +6,14 @@ import torch
 from transformers import Qwen3Config
 
 from prime_rl.trainer.perf import (
+    TRAINER_BENCH_COLUMNS,
     ThroughputMeter,
     flops_per_token,
-    format_bench_table,
     matmul_params_per_token,
     peak_flops,
     peak_memory_gib,
 )
+from prime_rl.utils.bench import format_bench_table
 
 
 def qwen3_0_6b():
@@ -123,13 +124,14 @@ def test_format_bench_table():
         },
         {"step": 3, "seconds": 4.0, "tokens_per_s": 50.0, "padding_fraction": 0.0, "mfu": 10.0, "peak_memory_gib": 2.0},
     ]
-    table = format_bench_table(rows)
+    table = format_bench_table(rows, TRAINER_BENCH_COLUMNS)
     lines = table.splitlines()
     assert len(lines) == 5 and "tokens/s" in lines[0] and "MFU %" in lines[0]
     assert lines[1].split() == ["1", "4.000", "50.0", "25.0", "-", "1.50"]
     assert lines[2].split() == ["2", "2.000", "100.0", "10.0", "30.00", "1.50"]
-    # Summary over steps 2 and 3: seconds mean 3 (stdev 1.4), tokens/s mean 75, MFU mean 20.
-    assert (
-        "2 steps" in lines[4] and "seconds 3 ±" in lines[4] and "tokens/s 75 ±" in lines[4] and "MFU % 20 ±" in lines[4]
+    # Summary over steps 2 and 3, written like the cells: seconds 2, 4 -> 3 ± sqrt(2); tokens/s 100, 50 -> 75 ±
+    # sqrt(2) * 25; MFU 30, 10 -> 20 ± sqrt(2) * 10.
+    assert lines[4] == (
+        "summary over 2 steps after the first: seconds 3.000 ± 1.414, tokens/s 75.0 ± 35.4, MFU % 20.00 ± 14.14"
     )
-    assert "no steps after" in format_bench_table(rows[:1])
+    assert "no steps after" in format_bench_table(rows[:1], TRAINER_BENCH_COLUMNS)

@@ -1,8 +1,15 @@
 from prime_rl.config.base import BaseConfig, EntrypointConfig, LogConfig
-from prime_rl.config.sections import CheckpointConfig, ModelConfig, ServedModelConfig, WeightBroadcastConfig
+from prime_rl.config.sections import (
+    BenchConfig,
+    CheckpointConfig,
+    ModelConfig,
+    ServedModelConfig,
+    WeightBroadcastConfig,
+)
 
 __all__ = [
     "BaseConfig",
+    "BenchConfig",
     "CheckpointConfig",
     "EntrypointConfig",
     "LogConfig",

@@ -1,7 +1,8 @@
 """Config sections several entry points share: one definition per concept.
 
 Each process extends `ModelConfig` with what only it needs (the trainer its FSDP options, the inference server
-its vLLM options, the orchestrator its renderer); `rl` and the processes share one `CheckpointConfig`.
+its vLLM options, the orchestrator its renderer); `rl` and the processes share one `CheckpointConfig`, and one
+`BenchConfig` that the trainer extends with its fake data.
 """
 
 from typing import Literal
@@ -92,3 +93,8 @@ class WeightBroadcastConfig(BaseConfig):
                 "(`rl` picks a free one when it starts both on one host)"
             )
         return self.port
+
+
+class BenchConfig(BaseConfig):
+    steps: int = Field(5, ge=2)
+    """Steps to run (the first is shown in the table but left out of the summary: it includes warm-up)."""

@@ -4,7 +4,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ServedModelConfig, WeightBroadcastConfig
+from prime_rl.config import (
+    BaseConfig,
+    BenchConfig,
+    CheckpointConfig,
+    EntrypointConfig,
+    ServedModelConfig,
+    WeightBroadcastConfig,
+)
 from prime_rl.orchestrator.buffer import BufferConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -155,6 +162,10 @@ class OrchestratorConfig(EntrypointConfig):
     log_extras: LogExtrasConfig = LogExtrasConfig()
     """Samples and distributions logged every `interval` steps."""
 
+    bench: BenchConfig | None = None
+    """Benchmark the running servers without a trainer (`--bench` enables): `bench.steps` steps on the weights they
+    serve (never waits for or loads others), no batches, no checkpoints; prints a throughput table at the end."""
+
     batch_size: int = Field(64, ge=1)
     """Rollouts trained on per step (traces with sampled tokens; a multi-agent episode has one per acting seat);
     a multiple of `rollouts_per_example`."""
@@ -195,6 +206,10 @@ class OrchestratorConfig(EntrypointConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":
+        if self.bench is not None and self.ckpt is not None and self.ckpt.resuming:
+            raise ValueError(
+                "--bench measures the servers' current weights without a trainer and cannot resume from a checkpoint"
+            )
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example ({self.rollouts_per_example})"

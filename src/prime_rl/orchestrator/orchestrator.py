@@ -1,11 +1,16 @@
 """`orchestrator` entry point: rollouts in, one training batch per step out.
 
     uv run orchestrator @ cfg.toml
+    uv run orchestrator @ cfg.toml --bench [--bench.steps N]    # throughput of the running servers, no trainer
 
 Start: load the environments and their tasks -> wait for the inference servers -> base weights on a fresh
 start, or the resumed step's weights -> spawn rollout workers. Step n: the scheduler collects finished
 groups that respect the off-policy bound (swapping weights as the trainer publishes them) -> advantages per
 group -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
+
+`--bench` runs the same loop on the weights the servers serve at start, with no trainer: nothing is loaded or
+waited for, no batch or checkpoint is written (nothing a trainer could consume later), and the step metrics end
+as one table.
 """
 
 import asyncio
@@ -27,6 +32,7 @@ from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.worker import RolloutWorkers
+from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.locks import OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.loop_lag import LoopLagMonitor
@@ -34,6 +40,19 @@ from prime_rl.utils.monitor import Monitor
 
 SAMPLE_ROWS = 8
 """Rollouts in the samples table of the log extras."""
+
+BENCH_COLUMNS = [
+    Column("step", "step", "d"),
+    Column("seconds", "time/step", ".2f", summary=True),
+    Column("rollouts", "rollouts", "d"),
+    Column("rollouts/s", "rollouts_per_s", ".1f", summary=True),
+    Column("sampled tok/s", "sampled_tokens_per_s", ".0f", summary=True),
+    Column("total tok/s", "tokens_per_s", ".0f", summary=True),
+    Column("rollouts s", "time/rollouts", ".2f"),
+    Column("batch s", "time/batch", ".3f"),
+]
+"""`--bench`'s table: step time = waiting for the rollouts (generation and environments) + building the batch
+(advantages, samples); with `--bench` nothing waits for or loads weights."""
 
 
 def load_environments(config: OrchestratorConfig) -> dict[str, EnvTasks]:
@@ -78,7 +97,11 @@ def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[Traini
     return samples, advantages, singletons
 
 
-def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: float, urls: list[str]) -> dict:
+def batch_metrics(
+    groups: list[Group], step: int, stats: StepStats, seconds: float, collect_seconds: float, urls: list[str]
+) -> dict:
+    """The step's metrics; `seconds` is the whole step, `collect_seconds` its part in `Scheduler.collect` (waiting
+    for weights, swapping them, waiting for rollouts); the rest built the batch."""
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     rewards = [r.reward for _, r in rollouts]
     lengths = [len(s.token_ids) for _, r in rollouts for s in r.samples]
@@ -95,11 +118,15 @@ def batch_metrics(groups: list[Group], step: int, stats: StepStats, seconds: flo
         "turns/mean": statistics.fmean(r.num_turns for _, r in rollouts),
         "async_lag/max": max(lags),
         "async_lag/mean": statistics.fmean(lags),
+        "rollouts": len(rollouts),
         "tokens_per_s": sum(lengths) / seconds,
+        "sampled_tokens_per_s": sum(sampled) / seconds,
         "rollouts_per_s": len(rollouts) / seconds,
         "time/step": seconds,
         "time/wait_for_weights": stats.wait_for_weights,
         "time/update_weights": stats.update_weights,
+        "time/rollouts": max(0.0, collect_seconds - stats.wait_for_weights - stats.update_weights),
+        "time/batch": seconds - collect_seconds,
         "weight_swaps": stats.swaps,
         "errors": stats.errors,
         "retries": stats.retries,
@@ -163,6 +190,18 @@ def log_extras(
     return summary
 
 
+class BenchScheduler(Scheduler):
+    """`--bench`: no trainer publishes weights, so the servers keep the weights they serve at start and the async
+    bound never applies (every batch may use policy 0, which `InferenceServers.version` says they serve)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.k = sys.maxsize  # min_policy_for(batch, k) == 0 for every batch
+
+    async def ensure_policy(self, batch: int) -> None:
+        """Nothing to wait for, nothing to load (a stale `broadcasts/` in the output dir is ignored too)."""
+
+
 async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
     lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
@@ -190,33 +229,42 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
     lag = LoopLagMonitor()
     lag_task = asyncio.create_task(lag.run())
+    bench = config.bench is not None
+    max_steps = config.bench.steps if bench else config.max_steps
+    bench_rows: list[dict] = []
     exit_code = 1
     try:
         await servers.wait_healthy()
-        # A fresh run starts from base weights even on a server reused from an earlier run.
-        seconds = await servers.load_policy(progress.step)
-        logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
+        if bench:
+            logger.info(f"bench: {max_steps} steps on the weights the servers serve now; no batches, no checkpoints")
+        else:
+            # A fresh run starts from base weights even on a server reused from an earlier run.
+            seconds = await servers.load_policy(progress.step)
+            logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
         await workers.start()
         logger.info(f"{config.workers} rollout worker(s) ready")
-        scheduler = Scheduler(config, buffer, tasks, servers, workers)
-        while config.max_steps is None or progress.step < config.max_steps:
+        scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers)
+        while max_steps is None or progress.step < max_steps:
             step = progress.step + 1
             start = time.perf_counter()
             groups = await scheduler.collect(step)
+            collect_seconds = time.perf_counter() - start
             samples, advantages, singletons = [], [], 0
             for group in groups:
                 group_samples_, group_advantages, group_singletons = group_samples(group, config)
                 samples += group_samples_
                 advantages += group_advantages
                 singletons += group_singletons
-            write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
+            if not bench:
+                write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
             progress = ckpt.Progress(
                 step=step,
                 tokens=progress.tokens + sum(len(s.token_ids) for s in samples),
                 samples=progress.samples + len(samples),
                 problems=progress.problems + len(groups),
             )
-            metrics = batch_metrics(groups, step, scheduler.stats, time.perf_counter() - start, servers.urls)
+            seconds = time.perf_counter() - start
+            metrics = batch_metrics(groups, step, scheduler.stats, seconds, collect_seconds, servers.urls)
             lag_max, lag_mean = lag.pop()
             metrics.update(
                 {"event_loop_lag/max": lag_max, "event_loop_lag/mean": lag_mean, "groups/singleton": singletons}
@@ -229,10 +277,14 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             if step % config.log_extras.interval == 0:
                 metrics |= log_extras(step, groups, advantages, monitor, config.log_extras)
             log_step(step, metrics, monitor)
+            if bench:
+                bench_rows.append({"step": step, **metrics})
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
-            if config.ckpt is not None and config.ckpt.due(step, config.max_steps):
+            if not bench and config.ckpt is not None and config.ckpt.due(step, max_steps):
                 logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict(), config.ckpt)}")
+        if bench:
+            print(format_bench_table(bench_rows, BENCH_COLUMNS), flush=True)
         exit_code = 0
     finally:
         lag_task.cancel()

@@ -4,7 +4,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.config import BaseConfig, CheckpointConfig, EntrypointConfig, ModelConfig, WeightBroadcastConfig
+from prime_rl.config import (
+    BaseConfig,
+    BenchConfig,
+    CheckpointConfig,
+    EntrypointConfig,
+    ModelConfig,
+    WeightBroadcastConfig,
+)
 from prime_rl.utils.monitor_config import WandbConfig
 
 
@@ -160,9 +167,8 @@ class TrainerModelConfig(ModelConfig):
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
 
-class BenchConfig(BaseConfig):
-    steps: int = Field(5, ge=2)
-    """Steps to run on fake data (the first is reported but excluded from the averages)."""
+class TrainerBenchConfig(BenchConfig):
+    """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""
 
     samples: int = Field(8, ge=1)
     """Samples per step."""
@@ -190,7 +196,7 @@ class TrainerConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Also log to W&B, as run `<name>-trainer` (`--wandb` enables with defaults)."""
 
-    bench: BenchConfig | None = None
+    bench: TrainerBenchConfig | None = None
     """Benchmark on fake data instead of training on rollouts (`--bench` enables); prints a summary table."""
 
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()

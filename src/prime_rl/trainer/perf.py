@@ -5,13 +5,13 @@ the peak numbers describe), and only tokens that carry data (padding is work the
 so it lowers MFU instead of inflating it).
 """
 
-import math
 import resource
-import statistics
 import sys
 from collections import deque
 
 import torch
+
+from prime_rl.utils.bench import Column
 
 # Dense BF16 tensor-core peak per device (no sparsity), keyed by a substring of `torch.cuda.get_device_name()`.
 # The bare "H100" / "H200" keys are the SXM parts; the longer keys win when they match.
@@ -122,48 +122,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return max_rss / 2**30 if sys.platform == "darwin" else max_rss / 2**20
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _mean_std(values: list[float]) -> str:
-    if not values:
-        return "-"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.4g} ± {std:.2g}"
-
-
-def format_bench_table(rows: list[dict]) -> str:
-    """Plain-text benchmark table, one row per step, then mean ± std over the steps after the first.
-
-    Row keys: `step`, `seconds`, `tokens_per_s`, `padding_fraction` (0..1, shown as %), `mfu` (percent or
-    None) and `peak_memory_gib`. The first row is left out of the summary: it includes warm-up.
-    """
-    header = ("step", "seconds", "tokens/s", "padding %", "MFU %", "peak mem GiB")
-    lines = [
-        (
-            str(row["step"]),
-            f"{row['seconds']:.3f}",
-            f"{row['tokens_per_s']:.1f}",
-            _fmt(None if row["padding_fraction"] is None else 100 * row["padding_fraction"], ".1f"),
-            _fmt(row.get("mfu"), ".2f"),
-            f"{row['peak_memory_gib']:.2f}",
-        )
-        for row in rows
-    ]
-    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
-    text = [
-        "  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True)) for cells in [header, *lines]
-    ]
-    measured = rows[1:]
-    if not measured:
-        text.append("summary: no steps after the warm-up step")
-    else:
-        mfus = [row["mfu"] for row in measured if row.get("mfu") is not None and not math.isnan(row["mfu"])]
-        text.append(
-            f"summary over {len(measured)} steps after the first: "
-            f"seconds {_mean_std([row['seconds'] for row in measured])}, "
-            f"tokens/s {_mean_std([row['tokens_per_s'] for row in measured])}, "
-            f"MFU % {_mean_std(mfus)}"
-        )
-    return "\n".join(text)
+TRAINER_BENCH_COLUMNS = [
+    Column("step", "step", "d"),
+    Column("seconds", "seconds", ".3f", summary=True),
+    Column("tokens/s", "tokens_per_s", ".1f", summary=True),
+    Column("padding %", "padding_fraction", ".1f", scale=100),
+    Column("MFU %", "mfu", ".2f", summary=True),
+    Column("peak mem GiB", "peak_memory_gib", ".2f"),
+]
+"""The trainer's `--bench` table (`utils.bench.format_bench_table`): `seconds` is the training time of a step."""

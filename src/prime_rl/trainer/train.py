@@ -37,7 +37,7 @@ from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.logprobs import shifted_logprobs
 from prime_rl.trainer.loss import compute_loss
 from prime_rl.trainer.packing import PackedRow
-from prime_rl.trainer.perf import format_bench_table
+from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
     StepMeter,
@@ -48,6 +48,7 @@ from prime_rl.trainer.scaffold import (
     trainer_process,
 )
 from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
+from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
 
 BATCH_ERRORS = (BatchError, TimeoutError)
@@ -109,7 +110,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         if world.is_main and config.bench is None:  # the last save may have pruned checkpoints: their weights too
             prune_broadcasts(config.output_dir, run.progress.step, config.max_async_level, run.ckpt.live_steps())
     if config.bench is not None and world.is_main:
-        print(format_bench_table(bench_rows))
+        print(format_bench_table(bench_rows, TRAINER_BENCH_COLUMNS))
 
 
 def wait_until(
