@@ -1,4 +1,5 @@
-"""One run over five simulated hosts: 2 inference servers, 1 orchestrator, a trainer over 2 nodes.
+"""One run over five simulated hosts: 2 inference servers, 1 orchestrator, a trainer over 2 nodes; new weights go
+from trainer node 0 to both servers by the in-memory broadcast (gloo), across the simulated network.
 
 Every host is an `rl` process with the same config and its own `deployment.roles`, sharing one output directory
 as hosts share a filesystem, on an address of its own: a network namespace per host joined by veth pairs to a
@@ -34,9 +35,12 @@ STEPS, K = 500, 1  # a bound: the test stops the run once the restarted server h
 NAMES = ["inference-a", "inference-b", "orchestrator", "node0", "node1"]
 
 
-def write_config(path: Path, model: Path, out: Path, port: int) -> Path:
+def write_config(path: Path, model: Path, out: Path, port: int, broadcast_port: int, node0: str) -> Path:
     top = "inference_timeout = 600\n[inference.model]\nmax_model_len = 512\nenforce_eager = true\n"
     top += f"[inference.server]\nport = {port}\n"
+    # Every host knows trainer node 0 (as the SLURM template and the chart say it): the in-memory broadcast's store is
+    # there (weight_broadcast.host defaults to deployment.master_addr on several hosts).
+    top += f'[deployment]\nmaster_addr = "{node0}"\n[weight_broadcast]\ntype = "gloo"\nport = {broadcast_port}\n'
     return write_rl_config(path, model, out, K, STEPS, top=top, bottom='[[orchestrator.env]]\nid = "reverse-text"\n')
 
 
@@ -178,11 +182,11 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     model = build_tiny_model(TinyModelConfig(output=tmp_path / "model", tie_word_embeddings=True))
     out = tmp_path / "shared" / "run"
     port, master_port = free_port(), free_port()
-    config = write_config(tmp_path / "rl.toml", model, out, port)
+    config = write_config(tmp_path / "rl.toml", model, out, port, free_port(), addr["node0"])
     ifname = "eth0" if network.kind == "netns" else "lo"
     base = {**os.environ, "INFERENCE_SERVER_API_KEY": "multi-host-key", "GLOO_SOCKET_IFNAME": ifname}
     trainer = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "2", "--deployment.run-id", "t1"]
-    trainer += ["--deployment.master-addr", addr["node0"], "--deployment.master-port", str(master_port)]
+    trainer += ["--deployment.master-port", str(master_port)]
 
     def host(name: str, flags: list[str], env: dict[str, str]) -> Host:
         return Host(name, config, flags, env, network.prefix(name))
@@ -220,7 +224,8 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
         before = b_log.stat().st_size
         steps_without_b = len(metrics(out, "trainer"))
         server_b.start()
-        wait_until(lambda: "serving policy step" in orchestrator_log(out), 600, "inference-b back in rotation", hosts)
+        back = f"inference server {b_url}/v1 back, serving policy step"  # (inference-a may recover too: see below)
+        wait_until(lambda: back in orchestrator_log(out), 600, "inference-b back in rotation", hosts)
         back_at = len(metrics(out, "trainer"))
         wait_until(lambda: len(metrics(out, "trainer")) >= back_at + 3, 300, "3 steps with both servers", hosts)
         server_a.kill()
@@ -232,6 +237,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     assert back_at > steps_without_b, "the run did not go on while inference-b was down"
     # How the orchestrator saw b die depends on what it was doing at that instant (requests are ~0.1 s long): a
     # generation request failed (its group must be sampled again), or the next weight swap failed (nothing lost).
+    # A broadcast that b's death broke fails on inference-a too, which then rejoins at once in a new group.
     seen = re.search(
         rf"server http://{re.escape(addr['inference-b'])}:\d+/v1 failing \((.*)\); pausing", orchestrator_log(out)
     )
@@ -242,10 +248,11 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     assert [m["step"] for m in trained] == list(range(1, len(trained) + 1))  # every batch once, in order
     for m in trained:
         assert m["policy_version/min"] >= m["step"] - 1 - K and m["policy_version/max"] <= m["step"] - 1, m
-    # The restarted server was given the current policy before it generated anything.
+    # The restarted server was given the current policy (by broadcast, in a new group) before it generated anything.
     after = b_log.read_bytes()[before:].decode(errors="replace")
     requests = re.findall(r'"POST (/update_weights|/inference/v1/generate|/v1/chat/completions) HTTP', after)
     assert requests and requests[0] == "/update_weights", requests[:5]
+    assert "joined weight broadcast generation" in after and "from a broadcast" in after, after[-3000:]
     assert "/inference/v1/generate" in requests or "/v1/chat/completions" in requests  # and then got work
     # Per-host files in the shared dir: one log per server, one console per trainer node.
     logs = {p.name for p in (out / "logs").iterdir()}

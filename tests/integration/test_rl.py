@@ -58,16 +58,21 @@ NIM_MIX = REVERSE_TEXT.replace('"reverse-text"\n', '"reverse-text"\nratio = 1\n'
 )
 
 
+BROADCAST = '[weight_broadcast]\ntype = "gloo"\n'
+"""The in-memory weight broadcast (the filesystem path: the `rl dies` test, the orchestrator's and trainer's tests)."""
+
+
 @pytest.mark.slow
 def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
-    """k = 2, k + 5 steps: the bound n-1-k > 0 is active on 4 batches. The same run trains the multi-agent nim
-    environment beside reverse-text, logs to W&B offline, and keeps one checkpoint, to check that disk use stays
-    bounded. (k = 0 and 1, with short groups, are the orchestrator's stand-in-trainer test.)"""
+    """k = 2, k + 5 steps: the bound n-1-k > 0 is active on 4 batches. New weights reach the server by the in-memory
+    broadcast. The same run trains the multi-agent nim environment beside reverse-text, logs to W&B offline, and
+    keeps one checkpoint, to check that disk use stays bounded. (k = 0 and 1, with short groups, are the
+    orchestrator's stand-in-trainer test.)"""
     srv, k = tied_server, 2
     out = srv.root / "rl" / f"k{k}"
     out.mkdir(parents=True)
     steps = k + 5
-    extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n"
+    extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n" + BROADCAST
     config = write_config(out.parent / f"k{k}.toml", srv, out, k=k, steps=steps, extra=extra, envs=NIM_MIX)
     wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"]  # no network
     proc = start_rl(config, *wandb, log=out.parent / f"k{k}.log")
@@ -83,11 +88,16 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     rows = [m for m in orchestrator_metrics(out) if "rollouts/nim" in m]
     assert rows and all("reward/nim/first/mean" in m for m in rows)
     check_offline_wandb_runs(out, steps)
-    # Bounded disk: consumed batches are gone; weights kept are the last k+1 the async bound may still load
-    # plus the broadcast of the one checkpoint kept (the last step's).
+    # The policies went by broadcast, each to the server as soon as the trainer held it (it waits until taken), so
+    # none was skipped; the last ones may come after the orchestrator's last batch (nobody needs them then).
+    swaps = re.findall(r"policy step \d+ -> (\d+) on 1 server", (out / "logs" / "orchestrator.log").read_text())
+    taken = [int(step) for step in swaps]
+    assert taken == list(range(1, len(taken) + 1)) and len(taken) >= steps - 1 - k, swaps
+    # Bounded disk: consumed batches are gone; only checkpoint steps and the last step were written (2, 4, 6, 7), and
+    # of those only what the async bound may still need (>= steps - k) or a kept checkpoint (the last step's) stays.
     assert not list((out / "rollouts").glob("step_*")), list((out / "rollouts").glob("step_*"))
     kept = sorted(int(p.name.removeprefix("step_")) for p in (out / "broadcasts").glob("step_*"))
-    assert kept == [steps - 2, steps - 1, steps], kept
+    assert kept == [steps - 1, steps], kept
     checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert checkpoints == [f"step_{steps}"], checkpoints
 
@@ -165,11 +175,13 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
 @pytest.mark.slow
 def test_rl_resume_after_a_crash(tied_server, tmp_path):
     """6 steps, checkpoints every 2, the run killed during step 5; resumed with -1 it continues from step 4:
-    the trainer trains 5 and 6 (nothing twice, nothing skipped) and the server serves pi_4 before new rollouts."""
+    the trainer trains 5 and 6 (nothing twice, nothing skipped) and the server serves pi_4 before new rollouts.
+    Weights go by the in-memory broadcast; the resumed run reads pi_4 from the checkpoint step's directory (the
+    trainer writes checkpoint steps to disk too)."""
     srv = tied_server
     out = srv.root / "rl" / "resume"
     out.mkdir(parents=True)
-    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra="[ckpt]\ninterval = 2\n")
+    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra="[ckpt]\ninterval = 2\n" + BROADCAST)
     log1 = tmp_path / "run1.log"
     proc = start_rl(config, log=log1)
     try:

@@ -131,11 +131,13 @@ def test_multi_node_layout(helm):
         assert (
             flag(container, "--deployment.run-id") == "exp-1" and flag(container, "--deployment.roles") == f"[{name}]"
         )
+        # Trainer node 0's address: the torchrun rendezvous, and where the servers and the orchestrator find the
+        # in-memory weight broadcast (`weight_broadcast.host` defaults to it on several hosts).
+        assert flag(container, "--deployment.master-addr") == "exp-trainer-0.exp-trainer", name
 
     trainer, trainer_pod = pods["trainer"]
     assert flag(trainer, "--deployment.trainer-nodes") == "2"
     assert flag(trainer, "--deployment.trainer-node-rank") == "$(NODE_RANK)"
-    assert flag(trainer, "--deployment.master-addr") == "exp-trainer-0.exp-trainer"
     assert flag(trainer, "--trainer-gpu-ids") == "[0,1,2,3,4,5,6,7]"
     env = env_of(trainer)
     assert env["NODE_RANK"] == {

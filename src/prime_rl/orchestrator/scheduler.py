@@ -205,8 +205,7 @@ class Scheduler:
             await self.swap(max(latest, needed))
 
     async def _wait_for(self, step: int, why: str) -> None:
-        where = self.servers.where(step)
-        logger.info(f"{why}: waiting for {where}")
+        logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
         while self.servers.latest_published() < step:
             await asyncio.sleep(self.config.weights_poll_interval)
@@ -214,11 +213,12 @@ class Scheduler:
             now = time.monotonic()
             if now - start > self.config.stall_timeout:
                 raise StallError(
-                    f"{why}, but it did not appear within {now - start:.0f}s (stall_timeout) in {where}: the trainer "
-                    "publishes it after that training step; is it running and training?"
+                    f"{why}, but it did not appear within {now - start:.0f}s (stall_timeout) in "
+                    f"{self.servers.where(step)}: the trainer publishes it after that training step; is it running "
+                    "and training?"
                 )
             if now - warned > WAIT_WARNING_INTERVAL:
-                logger.warning(f"{why}: still waiting for {where} ({now - start:.0f}s; written by the trainer)")
+                logger.warning(f"{why}: still waiting ({now - start:.0f}s) for {self.servers.where(step)}")
                 warned = now
         self.stats.wait_for_weights += time.monotonic() - start
 

@@ -230,7 +230,12 @@ class InferenceServers:
         path = self.weight_dir(step) / "STABLE"
         if self.broadcast is None:
             return str(path)
-        return f"{path} or the trainer's weight-broadcast store at {self.broadcast.address}"
+        reached = (
+            ""
+            if self.broadcast.store is not None
+            else ", which does not answer yet: is weight_broadcast.host trainer rank 0's address?"
+        )
+        return f"{path} or the trainer's weight-broadcast store at {self.broadcast.address}{reached}"
 
     async def close(self) -> None:
         for task in self.recovering.values():

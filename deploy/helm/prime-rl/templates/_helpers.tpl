@@ -45,6 +45,11 @@ app.kubernetes.io/component: {{ .role }}
 - {{ .Values.outputDir | quote }}
 - --deployment.run-id
 - {{ printf "%s-%d" .Release.Name .Release.Revision | quote }}
+{{- if eq .Values.launcher "roles" }}
+{{- $name := include "prime-rl.fullname" . }}
+- --deployment.master-addr
+- {{ $name }}-trainer-0.{{ $name }}-trainer
+{{- end }}
 {{- end -}}
 
 {{/* "[0,1,...,n-1]": the GPUs (or CPU ranks) of a container. */}}
