@@ -82,6 +82,8 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
         if monitor is not None:
             monitor.close(exit_code)
         if dist.is_initialized():
+            if exit_code == 0:
+                dist.barrier()  # every rank tears gloo down together: one leaving early can abort another at exit
             dist.destroy_process_group()
         if lock is not None:
             lock.release()
