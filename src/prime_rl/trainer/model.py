@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World
@@ -59,6 +59,15 @@ def parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = register
+
+
+def generation_config(config: TrainerModelConfig, default: GenerationConfig) -> GenerationConfig:
+    """The checkpoint's generation config, as `from_pretrained` reads it: published weights keep every stop token
+    it names (config.json may name fewer). `default` (derived from config.json) when there is none."""
+    try:
+        return GenerationConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    except OSError:
+        return default
 
 
 def ties_embeddings(model: PreTrainedModel) -> bool:
@@ -135,6 +144,7 @@ def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(arch, **kwargs)
     model.config.use_cache = False
+    model.generation_config = generation_config(config, model.generation_config)
     install_logprob_head(model, config.logprob_chunk)
     tie_output_embeddings(model)
     plan = None if config.random_init else checkpoint_plan(model, config.name)
