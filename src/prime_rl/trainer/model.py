@@ -76,8 +76,8 @@ def ties_embeddings(model: PreTrainedModel) -> bool:
 
 def tie_output_embeddings(model: PreTrainedModel) -> None:
     """When the config ties them, make the output layer's weight the very Parameter of the input embedding: one
-    tensor to shard, train and checkpoint. Re-done after materialising, which may give each module its own copy
-    (transformers' no-init loading skips tying, and `to_empty` splits a shared parameter)."""
+    tensor to shard, train and checkpoint. Done again after materialising: replacing a shared meta parameter
+    can leave each module its own copy (`to_empty` does on some torch versions; `check_tied` asserts the end)."""
     if ties_embeddings(model):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
 

@@ -4,11 +4,11 @@
     uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.sft @ cfg.toml
 
 Step n: rank 0 takes the samples of the next `batch_size` examples of the data stream, packs them into rows
-and deals them out (as the RL trainer does with a batch) -> forward/backward every micro-batch of rows (cross-entropy summed
-over the loss tokens, divided by the step's total) -> clip, optimizer and scheduler step -> maybe export `weights/step_n`
--> maybe checkpoint, data position included, so a resumed run reads on from the very next example. What the RL
-trainer does alike (the process around the loop, model and optimizer setup, dealing out rows, the common
-metrics) is `scaffold.py`'s.
+and deals them out (as the RL trainer does with a batch) -> forward/backward every micro-batch of rows (minus the
+log-prob of the loss tokens, summed, divided by the step's total) -> clip, optimizer and scheduler step -> maybe
+export `weights/step_n` -> maybe checkpoint, data position included, so a resumed run reads on from the very next
+example. `--bench` runs on random rows and writes neither. What the RL trainer does alike (the process around the
+loop, model and optimizer setup, dealing out rows, the forward, the common metrics) is `scaffold.py`'s.
 """
 
 import time

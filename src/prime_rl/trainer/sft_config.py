@@ -50,7 +50,8 @@ class ChatDataConfig(BaseConfig):
 
 class FakeDataConfig(BaseConfig):
     type: Literal["fake"] = "fake"
-    """Data kind (selects this section): `batch_size` rows of `seq_len` random tokens per step, for benchmarks."""
+    """Data kind (selects this section): `batch_size` rows of `seq_len` random tokens per step, in a normal run
+    (exports, checkpoints); `--bench` uses the same rows for a throughput table."""
 
 
 DataConfig = Annotated[ChatDataConfig | FakeDataConfig, Field(discriminator="type")]
