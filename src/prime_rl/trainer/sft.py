@@ -8,7 +8,8 @@ and deals them out (as the RL trainer does with a batch) -> forward/backward eve
 log-prob of the loss tokens, summed, divided by the step's total) -> clip, optimizer and scheduler step -> maybe
 export `weights/step_n` -> maybe checkpoint, data position included, so a resumed run reads on from the very next
 example. `--bench` runs on random rows and writes neither. What the RL trainer does alike (the process around the
-loop, model and optimizer setup, dealing out rows, the forward, the common metrics) is `scaffold.py`'s.
+loop, model and optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s; the forward is
+`logprobs.forward_logprobs`.
 """
 
 import time
