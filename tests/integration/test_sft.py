@@ -124,18 +124,22 @@ def test_loss_falls_weights_load_and_resume_continues_the_data_stream(model_dir,
         assert again[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-6), step
 
 
-def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size(model_dir, tmp_path):
+def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size_or_micro_batches(model_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     proc = sft(model_dir, None, one, "--max-steps", "2", nproc=1)
-    sft(model_dir, None, two, "--max-steps", "1")
+    # `--bench` draws the same fake rows (its 8 samples per step = batch_size 8 here); on 2 ranks, 2 rows per
+    # forward. It writes no weights and no checkpoints, even when asked for checkpoints.
+    bench = sft(model_dir, None, two, "--bench", "--micro-batch-size", "2", "--ckpt", "--ckpt.interval", "1")
     a, b = metrics(one), metrics(two)
-    assert sorted(a) == [1, 2] and sorted(b) == [1]
+    assert sorted(a) == [1, 2] and sorted(b) == [1, 2, 3, 4, 5]  # bench.steps defaults to 5
     assert a[1]["tokens"] == 8 * 128 and a[1]["loss_tokens"] == 8 * 127
     assert "step 2/2 | loss" in proc.stderr and "tok/s" in proc.stderr
     assert (one / "weights" / "step_2" / "model.safetensors").exists()
-    # Same rows (fake data is a function of seed and step), split over 2 ranks: each rank's loss is divided by
-    # the whole step's token count, so the gradients must be summed over ranks, not averaged (FSDP's default,
-    # which would halve the norm). Only the fp32 summation order differs.
+    assert "summary over 4 steps after the first" in bench.stdout and "tokens/s" in bench.stdout
+    assert not (two / "weights").exists() and not (two / "checkpoints").exists()
+    # Same rows (fake data is a function of seed and step), split over 2 ranks and run 2 to a forward: each
+    # rank's loss is divided by the whole step's token count, so the gradients must be summed over ranks, not
+    # averaged (FSDP's default, which would halve the norm). Only the fp32 summation order differs.
     assert b[1]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
     assert b[1]["grad_norm"] == pytest.approx(a[1]["grad_norm"], rel=1e-4)
 

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from prime_rl.batch import TrainingSample
-from prime_rl.trainer.packing import PackedRow, first_fit_decreasing, pack_samples, padding_row, shard_rows
+from prime_rl.trainer.packing import (
+    PackedRow,
+    collate,
+    first_fit_decreasing,
+    micro_batches,
+    pack_samples,
+    padding_row,
+    shard_rows,
+)
 
 
 def make_sample(n: int, base: int = 0, temperature: float = 1.0) -> TrainingSample:
@@ -143,3 +151,43 @@ def test_pack_samples_rejects_unequal_lists():
     bad = TrainingSample(token_ids=[1, 2, 3], loss_mask=[True], inference_logprobs=[0.0] * 3, advantages=[0.0] * 3)
     with pytest.raises(ValueError, match="unequal"):
         pack_samples([make_sample(2), bad], seq_len=10)
+
+
+def test_collate_pads_each_row_with_a_sample_of_its_own():
+    short, long = rows_of([3, 6])
+    batch = collate([short, long], concatenate=False)
+    assert batch.input_ids.tolist() == [[0, 1, 2, 0, 0, 0], [1, 2, 3, 4, 5, 6]]
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2]  # padding restarts at 0: a block of its own
+    assert batch.loss_mask[0].tolist() == [False, True, False, False, False, False]
+    assert batch.sample_ids.tolist() == [[0, 0, 0, 1, 1, 1], [2] * 6]  # unique over the micro-batch
+    assert batch.num_samples == 3 and batch.num_tokens == 12
+    assert batch.temperatures[0, 3:].tolist() == [1.0] * 3
+    assert batch.advantages[0, 3:].abs().sum() == 0 and batch.inference_logprobs[0, 3:].abs().sum() == 0
+
+
+def test_collate_concatenates_for_flash_attention():
+    a, b = rows_of([3, 2])
+    batch = collate([a, b], concatenate=True)
+    assert batch.input_ids.tolist() == [[0, 1, 2, 1, 2]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert batch.sample_ids.tolist() == [[0, 0, 0, 1, 1]] and batch.num_samples == 2
+    assert batch.loss_mask.tolist() == [[False, True, False, False, True]]
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches():
+    shards = shard_rows(rows_of([9, 3, 7, 2, 8, 8, 1, 4, 6, 5, 2]), world_size=4)  # 3 rows each, one padding
+    for shard in shards:
+        groups = micro_batches(shard, 2)
+        assert len(groups) == 2  # ceil(3 / 2) on every rank: FSDP's collectives line up
+        assert [row for group in groups for row in group if not row.is_padding] == [
+            r for r in shard if not r.is_padding
+        ]
+        # a padding row is dropped where real rows keep the forward going (it would be padded for nothing)
+        assert all(len(group) == 1 for group in groups if any(row.is_padding for row in group))
+    assert [len(g) for g in micro_batches(shards[3], 2)] == [2, 1]  # its third row is the padding row
+    assert micro_batches(shards[3][1:], 2) == [[shards[3][1]]]  # a real row and a padding row: one forward
+    only_padding = [padding_row(), padding_row()]
+    assert micro_batches(only_padding, 2) == [[only_padding[0]]]  # still one forward
+    assert [len(g) for g in micro_batches(rows_of([1, 2, 3, 4, 5]), 2)] == [2, 2, 1]
+    with pytest.raises(ValueError):
+        micro_batches(only_padding, 0)

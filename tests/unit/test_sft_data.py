@@ -7,13 +7,19 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.sft import token_cross_entropy
 from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
-from prime_rl.trainer.sft_data import ChatStream, DataError, DataState, epoch_order, load_examples, tokenize_example
+from prime_rl.trainer.sft_data import (
+    ChatStream,
+    DataError,
+    DataState,
+    epoch_order,
+    fake_samples,
+    load_examples,
+    tokenize_example,
+)
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +245,13 @@ def test_stream_with_nothing_usable_is_an_error(tokenizers):
         ChatStream(examples, tokenizers["llama"], ChatDataConfig(name="mem"), seq_len=64, seed=0).take(1)
 
 
-def test_token_cross_entropy_by_hand():
-    """Token t is scored by logits[t-1]; only loss tokens count, and a sample's first token never is one."""
-    logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [2.0, 2.0, 0.0]])
-    ids = torch.tensor([2, 1, 0, 1])
-    mask = torch.tensor([False, True, False, True])
-    expected = -torch.log_softmax(logits[0], -1)[1] - torch.log_softmax(logits[2], -1)[1]
-    torch.testing.assert_close(token_cross_entropy(logits, ids, mask), expected)
+def test_fake_samples_are_a_function_of_seed_and_step():
+    fixed = fake_samples(seed=3, step=2, count=4, seq_len=64, vocab_size=100)
+    assert [len(s.token_ids) for s in fixed] == [64] * 4
+    assert all(s.loss_mask == [False] + [True] * 63 for s in fixed)
+    assert [s.token_ids for s in fake_samples(3, 2, 4, 64, 100)] == [s.token_ids for s in fixed]
+    assert [s.token_ids for s in fake_samples(3, 3, 4, 64, 100)] != [s.token_ids for s in fixed]
+    variable = fake_samples(seed=3, step=2, count=32, seq_len=64, vocab_size=100, variable_length=True)
+    lengths = [len(s.token_ids) for s in variable]
+    assert min(lengths) >= 8 and max(lengths) <= 64 and len(set(lengths)) > 4  # uniform in [seq_len / 8, seq_len]
+    assert all(s.loss_mask == [False] + [True] * (len(s.token_ids) - 1) for s in variable)

@@ -1,26 +1,128 @@
-"""Packed rows: a sample's logprobs inside a row equal its logprobs alone (attention does not leak)."""
+"""The chunked log-prob head: the same log-probs, entropy and gradients as the full [tokens x vocab] computation,
+and packed rows whose samples never see each other."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Gemma2Config, Qwen3ForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.logprobs import shifted_logprobs
+from prime_rl.trainer.logprobs import (
+    HeadError,
+    LogProbHead,
+    chunked_logprobs,
+    forward_logprobs,
+    install_logprob_head,
+    next_token_logprobs,
+    next_token_targets,
+    shift_to_tokens,
+)
+from prime_rl.trainer.packing import PackedRow, collate
+
+
+def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor):
+    """The plain computation the head replaces: fp32 log-softmax of every logit at once."""
+    logp_all = torch.log_softmax(logits.float() / temperatures[:, None], dim=-1)
+    logp = logp_all.gather(-1, targets[:, None])[:, 0]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 37, 100])
+def test_chunks_match_the_full_computation(chunk):
+    """37 positions: chunks of 7 and 16 leave a remainder, 37 is one chunk, 100 more than the row."""
+    g = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 37, 16, 50
+    hidden = torch.randn(n, hidden_size, generator=g).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / 2).requires_grad_()  # logits of a few units
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    temperatures = torch.where(torch.arange(n) < 20, 0.7, 1.3)  # two samples of different temperatures
+    upstream = torch.randn(n, generator=g)  # an arbitrary loss sum(upstream * logp) exercises every position
+
+    logp, entropy = full_logprobs(hidden @ weight.T, targets, temperatures)
+    (upstream * logp).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    chunked_logp, chunked_entropy = chunked_logprobs(hidden, weight, targets, temperatures, chunk)
+    (upstream * chunked_logp).sum().backward()
+    assert not chunked_entropy.requires_grad  # entropy is a metric: no graph is kept for it
+    # fp32 throughout; only the summation order of the matmul and the logsumexp differ (a few ulp of values
+    # of ~10), so 1e-5 is ~30x the observed difference and orders of magnitude below any real mistake.
+    for ours, reference in (
+        (chunked_logp, logp),
+        (chunked_entropy, entropy),
+        (hidden.grad, grads[0]),
+        (weight.grad, grads[1]),
+    ):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_scores_by_hand():
+    """Token t is scored by logits[t-1] / T; the first token of every sample gets 0. With hidden states = logits
+    and an identity output weight the head sees exactly the logits below."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [2.0, 2.0, 0.0]])
+    ids = torch.tensor([[2, 1, 0, 1]])
+    pos = torch.tensor([[0, 1, 0, 1]])  # two samples: [2, 1] and [0, 1]
+    temps = torch.tensor([2.0, 2.0, 1.0, 1.0])
+    targets = next_token_targets(ids)
+    assert targets.tolist() == [[1, 0, 1, 0]]
+    next_logp, next_entropy = chunked_logprobs(logits, torch.eye(3), targets[0], temps, chunk=3)
+    logp, entropy = shift_to_tokens(next_logp[None], pos), shift_to_tokens(next_entropy[None], pos)
+    # token 1 (id 1) under logits[0] / 2 = [0, .5, 1]: 0.5 - log(1 + e^.5 + e^1)
+    expected_1 = 0.5 - torch.log(1 + torch.exp(torch.tensor(0.5)) + torch.exp(torch.tensor(1.0)))
+    # token 3 (id 1) under logits[2] = [0, 0, 3]: 0 - log(2 + e^3)
+    expected_3 = -torch.log(2 + torch.exp(torch.tensor(3.0)))
+    torch.testing.assert_close(logp[0], torch.stack([torch.tensor(0.0), expected_1, torch.tensor(0.0), expected_3]))
+    # entropy of [0, 0, 3]: p = [1, 1, e^3] / (2 + e^3), H = log(2 + e^3) - 3 e^3 / (2 + e^3)
+    z = 2 + torch.exp(torch.tensor(3.0))
+    torch.testing.assert_close(entropy[0, 3], torch.log(z) - 3 * torch.exp(torch.tensor(3.0)) / z)
+    assert entropy[0, 0] == 0 and entropy[0, 2] == 0 and entropy[0, 1] > 0
+
+
+def test_shift_to_tokens_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0, 10.0]])
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]])
+    # value of token t = value at t-1, except where a sample starts (position 0)
+    assert shift_to_tokens(values, positions).tolist() == [[0, 1, 2, 0, 4], [0, 6, 0, 0, 9]]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "tiny", dtype="float32"))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "tiny", dtype="float32"))
+
+
+def load(model_dir, chunk: int | None = 5):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if chunk is not None:
+        install_logprob_head(model, chunk)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load(model_dir).eval()
+
+
+def row_of(samples: list[list[int]], temperature: float = 1.0) -> PackedRow:
+    n = sum(len(s) for s in samples)
+    return PackedRow(
+        input_ids=torch.tensor([t for s in samples for t in s]),
+        position_ids=torch.cat([torch.arange(len(s)) for s in samples]),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        inference_logprobs=torch.zeros(n),
+        advantages=torch.zeros(n),
+        temperatures=torch.full((n,), temperature),
+        sample_ids=torch.cat([torch.full((len(s),), k) for k, s in enumerate(samples)]),
+        num_samples=len(samples),
+        sample_indices=list(range(len(samples))),
+    )
 
 
 def row_logprobs(model, samples: list[list[int]], temperature: float = 1.0):
-    ids = torch.tensor([t for s in samples for t in s])
-    pos = torch.cat([torch.arange(len(s)) for s in samples])
-    temps = torch.full((len(ids),), temperature)
     with torch.no_grad():
-        logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
-    return shifted_logprobs(logits, ids, pos, temps)
+        logp, entropy = forward_logprobs(model, collate([row_of(samples, temperature)], concatenate=False))
+    return logp[0], entropy[0]
 
 
 def test_packed_row_equals_samples_alone(model):
@@ -39,25 +141,84 @@ def test_packed_row_equals_samples_alone(model):
 def test_leak_would_be_detected(model):
     """Control: the same tokens as one continuous sample (positions not restarted) give different logprobs."""
     a, b = list(range(10, 20)), list(range(30, 40))
-    ids = torch.tensor(a + b)
-    continuous = torch.arange(len(ids))
-    with torch.no_grad():
-        logits = model(input_ids=ids[None], position_ids=continuous[None], use_cache=False).logits[0]
-    leaked, _ = shifted_logprobs(logits, ids, continuous, torch.ones(len(ids)))
+    leaked, _ = row_logprobs(model, [a + b])
     alone, _ = row_logprobs(model, [b])
     assert (leaked[len(a) + 1 :] - alone[1:]).abs().max() > 1e-3
 
 
-def test_shifted_logprobs_by_hand():
-    """Token t is scored by logits[t-1] / T; the first token of every sample gets 0."""
-    logits = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [2.0, 2.0, 0.0]])
-    ids = torch.tensor([2, 1, 0, 1])
-    pos = torch.tensor([0, 1, 0, 1])  # two samples: [2, 1] and [0, 1]
-    temps = torch.tensor([1.0, 2.0, 1.0, 1.0])
-    logp, entropy = shifted_logprobs(logits, ids, pos, temps)
-    # token 1 (id 1) under logits[0] / 2 = [0, .5, 1]: 0.5 - log(1 + e^.5 + e^1)
-    expected_1 = 0.5 - torch.log(1 + torch.exp(torch.tensor(0.5)) + torch.exp(torch.tensor(1.0)))
-    # token 3 (id 1) under logits[2] = [0, 0, 3]: 0 - log(2 + e^3)
-    expected_3 = -torch.log(2 + torch.exp(torch.tensor(3.0)))
-    torch.testing.assert_close(logp, torch.stack([torch.tensor(0.0), expected_1, torch.tensor(0.0), expected_3]))
-    assert entropy[0] == 0 and entropy[2] == 0 and entropy[1] > 0
+def test_the_tiny_model_gets_the_gradients_of_the_unchunked_head(model_dir):
+    """Through the real model with tied embeddings: every parameter's gradient, the shared embedding's included
+    (it gets the head's gradient and the embedding's), matches the plain forward's full log-softmax."""
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    batch = collate([row_of(samples)], concatenate=False)
+    batch.temperatures = torch.where(batch.sample_ids == 1, 0.6, 1.0)  # per-token temperatures
+    weights = torch.randn(batch.input_ids.shape, generator=g)
+
+    plain = load(model_dir, chunk=None)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    logits = plain(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[0]
+    targets = next_token_targets(batch.input_ids)[0]
+    next_logp, next_entropy = full_logprobs(logits, targets, batch.temperatures[0])
+    logp = shift_to_tokens(next_logp[None], batch.position_ids)
+    entropy = shift_to_tokens(next_entropy[None], batch.position_ids)
+    (weights * logp).sum().backward()
+
+    chunked = load(model_dir, chunk=4)  # 29 positions: 7 chunks and a remainder of 1
+    assert isinstance(chunked.lm_head, LogProbHead) and chunked.lm_head.weight is chunked.model.embed_tokens.weight
+    assert "lm_head.weight" in dict(chunked.named_parameters(remove_duplicate=False))  # the name checkpoints use
+    chunked_logp, chunked_entropy = forward_logprobs(chunked, batch)
+    (weights * chunked_logp).sum().backward()
+
+    # fp32; the two paths differ only in summation order (1e-5 is ~10x the observed difference).
+    torch.testing.assert_close(chunked_logp, logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked_entropy, entropy, rtol=1e-5, atol=1e-5)
+    grads = dict(plain.named_parameters())
+    for name, param in chunked.named_parameters():
+        reference = grads[name].grad
+        # A reordered fp32 sum is off by a few ulp of its largest terms, not of its (possibly cancelling)
+        # result, so the tolerance scales with the tensor's largest gradient: 1e-5 of it is ~10x the
+        # observed difference, while a wrong or missing term (the head's share of the tied embedding's
+        # gradient, a temperature not applied) moves entries by a sizeable fraction of it.
+        scale = reference.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(
+            param.grad, reference, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_concatenated_and_padded_micro_batches_score_alike(model):
+    """flash_attention_2 gets the micro-batch as one concatenated row, sdpa as padded rows: same per-token values."""
+    g = torch.Generator().manual_seed(2)
+    rows = [row_of([torch.randint(0, 400, (n,), generator=g).tolist() for n in lengths]) for lengths in ((5, 8), (3,))]
+    with torch.no_grad():
+        padded, _ = forward_logprobs(model, collate(rows, concatenate=False))
+        joined, _ = forward_logprobs(model, collate(rows, concatenate=True))
+    assert padded.shape == (2, 13) and joined.shape == (1, 16)
+    # fp32, same samples and masks, different batch layout: 1e-5 is far below a leak's effect (> 1e-3, above).
+    torch.testing.assert_close(joined[0], torch.cat([padded[0], padded[1, :3]]), rtol=0, atol=1e-5)
+
+
+def test_models_that_post_process_their_logits_are_refused(model_dir):
+    config = Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        gemma = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(HeadError, match="final_logit_softcapping"):
+        install_logprob_head(gemma, 8)
+
+    class ScaledLogits(Qwen3ForCausalLM):
+        """Post-processing no config field announces: caught at the first forward."""
+
+        def forward(self, **kwargs):
+            out = super().forward(**kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    scaled = ScaledLogits.from_pretrained(model_dir, dtype=torch.float32)
+    install_logprob_head(scaled, 8)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(HeadError, match="changes the output layer's result"):
+        next_token_logprobs(scaled, ids, torch.arange(3)[None], next_token_targets(ids), torch.ones(1, 3))

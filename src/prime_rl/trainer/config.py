@@ -166,6 +166,10 @@ class TrainerModelConfig(ModelConfig):
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
+    logprob_chunk: int = Field(1024, ge=1)
+    """Positions whose logits the LM head computes at once (never a whole row's [tokens x vocab]). 1024 x Qwen3's
+    151,936 vocab is ~0.6 GB per fp32 copy, a few copies at a time, while each chunk is still a large matmul."""
+
 
 class TrainerBenchConfig(BenchConfig):
     """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""
@@ -204,6 +208,9 @@ class TrainerConfig(EntrypointConfig):
 
     seq_len: int = Field(2048, ge=1)
     """Maximum tokens per packed row; a sample longer than this is an error."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    """Packed rows per forward pass, padded to the longest (concatenated for flash_attention_2); same gradient."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this step (None: run until stopped)."""

@@ -1,23 +1,187 @@
-"""Per-token logprobs and entropy of a packed row, as the sampler saw them."""
+"""Per-token log-probabilities and entropy under the model, without a [tokens x vocab] tensor for the whole row.
+
+A row of 16k tokens over Qwen3's 151,936-token vocabulary has 2.5e9 logits: 10 GB per fp32 copy, and a plain
+log-softmax keeps several. Instead the model's output layer is replaced (before sharding) by `LogProbHead`,
+which holds the very same weight Parameter and, inside the model's own forward, scores `chunk` positions at a
+time: the log-prob of a given target token under logits / T and the entropy of that distribution. Forward
+keeps the hidden states and each position's log-partition; backward recomputes each chunk's logits.
+
+    install_logprob_head(model, chunk)                       # once, before FSDP
+    logp, entropy = forward_logprobs(model, batch)           # [B, L]: log p(token t | tokens < t), 0 at sample starts
+
+`forward_logprobs` is the one forward path of both training loops (`train.py`, `sft.py`).
+"""
+
+from __future__ import annotations
 
 import torch
+from torch import Tensor, nn
+
+from prime_rl.trainer.packing import MicroBatch
+
+POST_PROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap")
+"""Config fields of architectures whose forward changes the head's output (Gemma's soft-capping, Cohere's and
+Granite's scaling): refused at once. Any other change is caught at the first forward (`next_token_logprobs`)."""
 
 
-def shifted_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, temperatures: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprob and entropy of token t under logits[t-1] / T_t (fp32), one row of shape [L, V].
+class HeadError(ValueError):
+    """A model whose output layer the chunked head cannot stand in for."""
 
-    The first token of each sample (position 0) has no prediction inside its sample: it gets 0 for both
-    (it is always prompt, never trained).
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and the entropy of that distribution, `chunk` positions at a time.
+
+    Logits are computed in the weight's dtype (as `nn.Linear` would), then scored in fp32, exactly as the
+    full computation upcasts them. Only `hidden`, `weight` and the log-partition per position are kept for
+    backward, which recomputes each chunk's logits; the weight's gradient is accumulated in fp32.
     """
-    scaled = logits[:-1].float() / temperatures[1:, None]
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    logp = logp_all.gather(-1, input_ids[1:, None])[:, 0]
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    starts = position_ids[1:] == 0
-    zero = logp.new_zeros(1)
-    logp = torch.cat([zero, torch.where(starts, 0.0, logp)])
-    entropy = torch.cat([zero, torch.where(starts, 0.0, entropy)])
-    return logp, entropy
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor, chunk: int):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        entropy = torch.empty_like(logp)
+        log_z = torch.empty_like(logp)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = (hidden[start:end] @ weight.T).float().div_(temperatures[start:end, None])
+            lse = torch.logsumexp(logits, dim=-1)
+            log_z[start:end] = lse
+            logp[start:end] = logits.gather(-1, targets[start:end, None])[:, 0] - lse
+            shifted = logits.sub_(lse[:, None])  # log p, in place
+            entropy[start:end] = -(shifted.exp() * shifted).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, temperatures, log_z)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
+        hidden, weight, targets, temperatures, log_z = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end]
+            scale = grad_logp[start:end] / temperatures[start:end]  # d logp / d logits = (onehot - p) / T
+            logits = (h @ weight.T).float().div_(temperatures[start:end, None])
+            grad = logits.sub_(log_z[start:end, None]).exp_().mul_(-scale[:, None])
+            grad.scatter_add_(-1, targets[start:end, None], scale[:, None])
+            grad = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.add_(grad.T @ h)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperatures: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """[N, H] hidden states, [V, H] output weight, [N] targets and temperatures -> [N] log-prob, [N] entropy."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return ChunkedLogProbs.apply(hidden, weight, targets, temperatures.float(), chunk)
+
+
+class LogProbHead(nn.Module):
+    """Stands in for the model's output layer with the same weight Parameter (same name, same FSDP unit, ties
+    kept). Called by the model's forward on the final hidden states [B, L, H]; returns [B, L, 2] fp32, the
+    log-prob of each position's target and the entropy, for the targets `next_token_logprobs` set."""
+
+    def __init__(self, weight: nn.Parameter, chunk: int):
+        super().__init__()
+        self.weight = weight
+        self.chunk = chunk
+        self.targets: Tensor | None = None
+        self.temperatures: Tensor | None = None
+        self.output: Tensor | None = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.targets is None or self.temperatures is None:
+            raise RuntimeError("LogProbHead scores given targets: run the model through next_token_logprobs")
+        if hidden.shape[:-1] != self.targets.shape:
+            raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match targets {tuple(self.targets.shape)}")
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logp, entropy = chunked_logprobs(
+            flat, self.weight, self.targets.reshape(-1), self.temperatures.reshape(-1), self.chunk
+        )
+        shape = hidden.shape[:-1]
+        self.output = torch.stack([logp.view(shape), entropy.view(shape)], dim=-1)  # not a view: FSDP hooks it
+        return self.output
+
+
+def install_logprob_head(model: nn.Module, chunk: int) -> LogProbHead:
+    """Replace the model's output layer by a `LogProbHead` on the same weight (call before sharding)."""
+    for field in POST_PROCESSED_LOGITS:
+        if getattr(model.config, field, None) is not None:
+            raise HeadError(
+                f"{type(model).__name__} post-processes its logits (config.{field}={getattr(model.config, field)}); "
+                "the trainer's chunked log-prob head cannot score it"
+            )
+    old = model.get_output_embeddings()
+    if not isinstance(old, nn.Linear):
+        raise HeadError(f"{type(model).__name__}'s output layer is {type(old).__name__}, not a plain Linear")
+    if old.bias is not None:
+        raise HeadError(f"{type(model).__name__}'s output layer has a bias, which the chunked head does not add")
+    head = LogProbHead(old.weight, chunk)
+    model.set_output_embeddings(head)
+    return head
+
+
+def next_token_logprobs(
+    model: nn.Module, input_ids: Tensor, position_ids: Tensor, targets: Tensor, temperatures: Tensor
+) -> tuple[Tensor, Tensor]:
+    """log p(targets[b, t] | tokens <= t) under logits / temperatures[b, t], and that distribution's entropy.
+
+    All [B, L]. `targets` are explicit so a caller can score a slice of a row whose last target lies beyond
+    it. No attention mask and no KV cache: transformers derives a block-diagonal mask (or varlen flash
+    attention) from the position ids restarting at 0, so packed samples never see each other.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogProbHead):
+        raise HeadError("the model has no LogProbHead: call install_logprob_head before sharding")
+    head.targets, head.temperatures = targets, temperatures
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        scored, returned = head.output, out.logits
+    finally:
+        head.targets = head.temperatures = head.output = None
+    if returned is not scored:
+        raise HeadError(
+            f"{type(model).__name__}'s forward changes the output layer's result (e.g. soft-capping or scaling "
+            "the logits); the trainer's chunked log-prob head cannot score it"
+        )
+    return scored[..., 0], scored[..., 1]
+
+
+def next_token_targets(input_ids: Tensor) -> Tensor:
+    """[B, L] -> the token after each position ([B, L]; 0 at the last, whose prediction is never used)."""
+    targets = torch.zeros_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
+
+
+def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
+    """Values "of the next token at position t" -> "of token t": shift right by one, 0 where a sample starts.
+
+    A sample's first token (position id 0) has no prediction inside its sample, so it gets 0 (it is always
+    prompt, never trained); the prediction across the boundary, from the previous sample's last token, drops.
+    """
+    shifted = torch.cat(
+        [next_token_values.new_zeros(*next_token_values.shape[:-1], 1), next_token_values[..., :-1]], -1
+    )
+    return torch.where(position_ids == 0, 0.0, shifted)
+
+
+def forward_logprobs(model: nn.Module, batch: MicroBatch) -> tuple[Tensor, Tensor]:
+    """The forward of a micro-batch ([B, L] tensors on the model's device): log p(token t | what precedes it
+    in its sample) under the sampling temperature, and the entropy of that distribution; both [B, L] fp32,
+    0 at each sample's first token. Both training loops run every forward through here."""
+    targets = next_token_targets(batch.input_ids)
+    logp, entropy = next_token_logprobs(model, batch.input_ids, batch.position_ids, targets, batch.temperatures)
+    return shift_to_tokens(logp, batch.position_ids), shift_to_tokens(entropy, batch.position_ids)

@@ -1,11 +1,22 @@
-"""Load a Hugging Face causal LM and shard it with FSDP2."""
+"""Build a Hugging Face causal LM as FSDP2 shards, without a full copy of the model on every rank.
+
+    skeleton (parameters on the meta device, real buffers) -> chunked log-prob head -> activation checkpointing,
+    compile, `fully_shard` -> materialise this rank's shards -> read them from the checkpoint (`loading.py`)
+
+Buffers stay real throughout: rotary frequencies are computed in `__init__` and are not in the checkpoint.
+"""
+
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World
+from prime_rl.trainer.loading import checkpoint_plan, load_shards, scatter_from_rank0
+from prime_rl.trainer.logprobs import install_logprob_head
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -20,23 +31,61 @@ def check_device(config: TrainerModelConfig, device: torch.device) -> None:
         raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
 
 
-def stored_dtype(config: TrainerModelConfig) -> torch.dtype:
+def load_arch(config: TrainerModelConfig) -> PreTrainedConfig:
+    return AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+
+
+def stored_dtype(arch: PreTrainedConfig) -> torch.dtype:
     """Dtype of the checkpoint (per its config): exported weights go back to it; bfloat16 when it is unusable."""
-    arch = AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
     return arch.dtype if arch.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
-def load_model(config: TrainerModelConfig, seed: int) -> PreTrainedModel:
-    """fp32 master weights on CPU: from the checkpoint, or random (same seed on every rank => same init)."""
-    kwargs = dict(dtype=torch.float32, attn_implementation=config.attn, trust_remote_code=config.trust_remote_code)
-    if config.random_init:
-        arch = AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(arch, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(config.name, **kwargs)
-    model.config.use_cache = False
-    return model
+@contextmanager
+def parameters_on_meta():
+    """Modules created inside get their parameters on the meta device and keep real buffers.
+
+    A parameter is allocated (uninitialised: `torch.empty`, nothing touches it) and moved to meta as it is
+    registered, before `reset_parameters` or HF's init could fill it, so building costs no memory or time.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def generation_config(config: TrainerModelConfig, default: GenerationConfig) -> GenerationConfig:
+    """The checkpoint's generation config, as `from_pretrained` reads it: published weights keep every stop token
+    it names (config.json may name fewer). `default` (derived from config.json) when there is none."""
+    try:
+        return GenerationConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    except OSError:
+        return default
+
+
+def ties_embeddings(model: PreTrainedModel) -> bool:
+    return bool(model.config.get_text_config().tie_word_embeddings)
+
+
+def tie_output_embeddings(model: PreTrainedModel) -> None:
+    """When the config ties them, make the output layer's weight the very Parameter of the input embedding: one
+    tensor to shard, train and checkpoint. Done again after materialising: replacing a shared meta parameter
+    can leave each module its own copy (`to_empty` does on some torch versions; `check_tied` asserts the end)."""
+    if ties_embeddings(model):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def check_tied(model: PreTrainedModel) -> None:
+    """Tied embeddings must still be one Parameter once the model is built (else they would train apart)."""
+    if ties_embeddings(model) and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError(f"{type(model).__name__}: the tied output and input embeddings are separate tensors")
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -71,6 +120,49 @@ def shard_model(model: PreTrainedModel, config: TrainerModelConfig, world: World
             # PREMUL_SUM, hence the plain-sum collectives.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    if not config.cpu_offload:
-        model.to(world.device)
+    return model
+
+
+def materialise(model: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's (uninitialised) shards of every meta parameter on `device`.
+
+    `to_empty` would also replace the buffers, which are real already (and which FSDP has put on its device),
+    so only meta tensors are touched; FSDP's `_apply` then pads and registers the new shards (and pins them
+    for CPU offload).
+    """
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World, seed: int) -> PreTrainedModel:
+    """The FSDP2-sharded model, fp32 master weights, with the chunked log-prob head as its output layer.
+
+    Each rank reads only its shards from the safetensors files. A checkpoint whose names or shapes are not
+    the model's (architectures transformers converts on load) is loaded by `from_pretrained` on rank 0 and
+    scattered; so are seeded random weights (`random_init`: every rank would draw the same).
+    """
+    kwargs = dict(dtype=torch.float32, attn_implementation=config.attn, trust_remote_code=config.trust_remote_code)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(arch, **kwargs)
+    model.config.use_cache = False
+    model.generation_config = generation_config(config, model.generation_config)
+    install_logprob_head(model, config.logprob_chunk)
+    tie_output_embeddings(model)
+    plan = None if config.random_init else checkpoint_plan(model, config.name)
+
+    shard_model(model, config, world)
+    materialise(model, torch.device("cpu") if config.cpu_offload else world.device)
+    tie_output_embeddings(model)
+
+    if plan is not None:
+        load_shards(model, plan)
+    else:
+        full = None
+        if world.is_main and config.random_init:
+            torch.manual_seed(seed)
+            full = AutoModelForCausalLM.from_config(arch, **kwargs)
+        elif world.is_main:
+            full = AutoModelForCausalLM.from_pretrained(config.name, **kwargs)
+        scatter_from_rank0(model, full)
+        del full
+    check_tied(model)
     return model

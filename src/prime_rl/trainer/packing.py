@@ -1,7 +1,10 @@
-"""Pack variable-length samples into padding-free rows, and spread rows evenly over data-parallel ranks.
+"""Pack variable-length samples into padding-free rows, spread rows evenly over data-parallel ranks, and group a
+rank's rows into micro-batches (one forward each).
 
-Each row is one micro-batch with batch dimension 1. Samples are concatenated inside a row; position ids restart at 0
-for each sample, which is what lets the attention kernel treat the row as block-diagonal (no cross-sample attention).
+Samples are concatenated inside a row; position ids restart at 0 for each sample, which is what lets the attention
+kernel treat the row as block-diagonal (no cross-sample attention). A micro-batch runs `micro_batch_size` rows as
+one [B, L] batch, rows padded to the longest with a padding block of their own (position ids restarting at 0 again,
+loss-masked), or, for `flash_attention_2`, which finds packed samples only in a batch of one row, as one [1, ΣL] row.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
@@ -18,7 +21,7 @@ from prime_rl.batch import TrainingSample
 
 @dataclass
 class PackedRow:
-    """One micro-batch: several samples laid end to end, every tensor of shape [L]."""
+    """Several samples laid end to end, every tensor of shape [L]."""
 
     input_ids: torch.Tensor
     """[L] long."""
@@ -45,6 +48,43 @@ class PackedRow:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def is_padding(self) -> bool:
+        return not self.sample_indices
+
+
+TENSOR_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages", "temperatures")
+"""The per-token fields of a row that a micro-batch stacks as they are (`sample_ids` are renumbered)."""
+
+
+@dataclass
+class MicroBatch:
+    """Rows run through the model in one forward: the per-token fields of `PackedRow`, each [B, L].
+
+    `sample_ids` are unique across the whole micro-batch (0..num_samples-1), so the loss can treat the
+    flattened [B * L] tokens as one long row.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    inference_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    temperatures: torch.Tensor
+    sample_ids: torch.Tensor
+    num_samples: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the model computes, padding included."""
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(
+            **{name: getattr(self, name).to(device) for name in (*TENSOR_FIELDS, "sample_ids")},
+            num_samples=self.num_samples,
+        )
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -159,3 +199,48 @@ def shard_rows(rows: list[PackedRow], world_size: int) -> list[list[PackedRow]]:
         [rows[i] for i in sorted(indices)] + [padding_row() for _ in range(per_rank - len(indices))]
         for indices in assigned
     ]
+
+
+def join_rows(rows: Sequence[PackedRow]) -> PackedRow:
+    """Lay rows end to end as one row, renumbering their samples (each row's position ids already restart)."""
+    offsets = list(accumulate((row.num_samples for row in rows[:-1]), initial=0))
+    return PackedRow(
+        **{name: torch.cat([getattr(row, name) for row in rows]) for name in TENSOR_FIELDS},
+        sample_ids=torch.cat([row.sample_ids + offset for row, offset in zip(rows, offsets, strict=True)]),
+        num_samples=sum(row.num_samples for row in rows),
+        sample_indices=[i for row in rows for i in row.sample_indices],
+    )
+
+
+def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
+    """One micro-batch of `rows`: a [1, ΣL] row when `concatenate` (what `flash_attention_2` needs), else [B, L]
+    with each row padded to the longest by a padding row (its own sample: positions from 0, no loss tokens)."""
+    if not rows:
+        raise ValueError("a micro-batch needs at least one row")
+    if concatenate:
+        rows = [join_rows(rows)]
+    else:
+        longest = max(row.num_tokens for row in rows)
+        rows = [
+            join_rows([r, padding_row(length=longest - r.num_tokens)]) if r.num_tokens < longest else r for r in rows
+        ]
+    offsets = list(accumulate((row.num_samples for row in rows[:-1]), initial=0))
+    return MicroBatch(
+        **{name: torch.stack([getattr(row, name) for row in rows]) for name in TENSOR_FIELDS},
+        sample_ids=torch.stack([row.sample_ids + offset for row, offset in zip(rows, offsets, strict=True)]),
+        num_samples=sum(row.num_samples for row in rows),
+    )
+
+
+def micro_batches(rows: list[PackedRow], size: int) -> list[list[PackedRow]]:
+    """Group one rank's rows into micro-batches of at most `size` rows, in order.
+
+    Every rank gets the same number of groups, ceil(len(rows) / size), because `shard_rows` gives every rank
+    the same number of rows: FSDP's collectives run once per forward, so the ranks must agree. A padding row
+    only exists to make its rank run a forward, so it is dropped from a group that has real rows (it would be
+    padded to the group's longest row for nothing) and kept in a group that has none.
+    """
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    groups = [rows[i : i + size] for i in range(0, len(rows), size)]
+    return [[row for row in group if not row.is_padding] or group[:1] for group in groups]

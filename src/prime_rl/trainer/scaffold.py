@@ -33,7 +33,8 @@ from prime_rl.config.loader import write_resolved_config
 from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume_step
 from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
-from prime_rl.trainer.model import SetupError, check_device, load_model, shard_model, stored_dtype
+from prime_rl.trainer.logprobs import HeadError
+from prime_rl.trainer.model import SetupError, build_model, check_device, load_arch, stored_dtype
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
 from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
@@ -41,7 +42,7 @@ from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.monitor import Monitor, MonitorError
 
-SETUP_ERRORS = (FileNotFoundError, SetupError, MonitorError, OutputDirBusy)
+SETUP_ERRORS = (FileNotFoundError, SetupError, HeadError, MonitorError, OutputDirBusy)
 """Failures of settings or surroundings (a missing checkpoint, a busy output dir, ...): a message, not a bug."""
 
 
@@ -81,6 +82,8 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
         if monitor is not None:
             monitor.close(exit_code)
         if dist.is_initialized():
+            if exit_code == 0:
+                dist.barrier()  # every rank tears gloo down together: one leaving early can abort another at exit
             dist.destroy_process_group()
         if lock is not None:
             lock.release()
@@ -146,8 +149,9 @@ def build_run(
     """
     check_device(config.model, world.device)
     torch.manual_seed(config.seed)
-    export_dtype = stored_dtype(config.model)
-    model = shard_model(load_model(config.model, config.seed), config.model, world)
+    arch = load_arch(config.model)
+    export_dtype = stored_dtype(arch)
+    model = build_model(config.model, arch, world, config.seed)
     model.config.dtype = export_dtype
     optimizer = build_optimizer(model.parameters(), config.optim)
     scheduler = build_scheduler(optimizer, config.scheduler, max_steps)

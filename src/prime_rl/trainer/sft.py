@@ -4,11 +4,12 @@
     uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.sft @ cfg.toml
 
 Step n: rank 0 takes the samples of the next `batch_size` examples of the data stream, packs them into rows
-and deals them out (as the RL trainer does with a batch) -> forward/backward every row (cross-entropy summed
-over the loss tokens, divided by the step's total) -> clip, optimizer and scheduler step -> maybe export `weights/step_n`
--> maybe checkpoint, data position included, so a resumed run reads on from the very next example. What the RL
-trainer does alike (the process around the loop, model and optimizer setup, dealing out rows, the common
-metrics) is `scaffold.py`'s.
+and deals them out (as the RL trainer does with a batch) -> forward/backward every micro-batch of rows (minus the
+log-prob of the loss tokens, summed, divided by the step's total) -> clip, optimizer and scheduler step -> maybe
+export `weights/step_n` -> maybe checkpoint, data position included, so a resumed run reads on from the very next
+example. `--bench` runs on random rows and writes neither. What the RL trainer does alike (the process around the
+loop, model and optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s; the forward is
+`logprobs.forward_logprobs`.
 """
 
 import time
@@ -18,14 +19,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from loguru import logger
 
 from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import load_config
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.packing import PackedRow, collate, micro_batches
+from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
     StepMeter,
@@ -38,6 +40,7 @@ from prime_rl.trainer.scaffold import (
 from prime_rl.trainer.sft_config import ChatDataConfig, SFTConfig
 from prime_rl.trainer.sft_data import ChatStream, DataError, DataState, fake_samples, load_examples
 from prime_rl.trainer.weights import full_state_dict, save_hf_dir, weights_dir
+from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
 
 DATA_ERRORS = (DataError,)
@@ -55,9 +58,10 @@ class SFTProgress(Progress):
 
 
 def open_stream(config: SFTConfig, world: World, tokenizer) -> ChatStream | None:
-    """Rank 0 loads the examples (other ranks get None); a bad dataset stops every rank with its message."""
+    """Rank 0 loads the examples (other ranks, fake data and `--bench` get None); a bad dataset stops every rank
+    with its message."""
     stream, error = None, None
-    if world.is_main and isinstance(config.data, ChatDataConfig):
+    if world.is_main and isinstance(config.data, ChatDataConfig) and config.bench is None:
         try:
             examples = load_examples(config.data)
             stream = ChatStream(examples, tokenizer, config.data, config.seq_len, config.seed)
@@ -72,38 +76,33 @@ def open_stream(config: SFTConfig, world: World, tokenizer) -> ChatStream | None
 def take_examples(
     config: SFTConfig, step: int, stream: ChatStream | None, vocab_size: int
 ) -> tuple[list[TrainingSample], dict]:
-    """Rank 0: the samples of the step's next `batch_size` examples (random rows for `data.type = "fake"`), and
-    where the stream stands after them (part of the checkpoint)."""
+    """Rank 0: the samples of the step's next `batch_size` examples (random rows for `data.type = "fake"` and
+    `--bench`), and where the stream stands after them (part of the checkpoint)."""
     if stream is None:
-        samples = fake_samples(config.seed, step, config.batch_size, config.seq_len, vocab_size)
+        bench = config.bench
+        count, variable = (bench.samples, bench.variable_length) if bench else (config.batch_size, False)
+        samples = fake_samples(config.seed, step, count, config.seq_len, vocab_size, variable)
         return samples, {"data": asdict(DataState()), "examples": None}
     samples, example_ids = stream.take(config.batch_size)
     logger.debug(f"step {step} examples {example_ids}")
     return samples, {"data": asdict(stream.state), "examples": len(stream.examples)}
 
 
-def token_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Σ over loss tokens of -log p(token | what precedes it in its sample), fp32; logits[t-1] predict token t.
-
-    A sample's first token is never a loss token, so no prediction across the samples of a row counts.
+def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, device) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank: Σ over loss tokens of -log p(token | what precedes it in
+    its sample), divided by the step's loss-token count. Returns summed statistics (not yet reduced across ranks).
     """
-    nll = F.cross_entropy(logits[:-1].float(), input_ids[1:], reduction="none")
-    return torch.where(loss_mask[1:], nll, 0.0).sum()
-
-
-def train_step(model, rows: list[PackedRow], loss_scale: float, device) -> dict[str, float]:
-    """Forward/backward every row of this rank; returns summed statistics (not yet reduced across ranks)."""
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    for row in rows:
-        ids, pos, mask = (t.to(device) for t in (row.input_ids, row.position_ids, row.loss_mask))
-        # No attention mask and no KV cache: transformers derives a block-diagonal mask (or varlen flash
-        # attention) from the position ids restarting at 0, so packed samples never see each other.
-        logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
-        row_loss = token_cross_entropy(logits, ids, mask) / loss_scale
-        del logits
-        row_loss.backward()
-        loss += row_loss.detach().double()
-    return {"loss": loss.item(), "processed_tokens": float(sum(row.num_tokens for row in rows))}
+    processed = 0
+    concatenate = config.model.attn == "flash_attention_2"
+    for group in micro_batches(rows, config.micro_batch_size):
+        batch = collate(group, concatenate).to(device)
+        logp, _ = forward_logprobs(model, batch)  # temperature 1: sft samples carry the default
+        batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
+        batch_loss.backward()
+        loss += batch_loss.detach().double()
+        processed += batch.num_tokens
+    return {"loss": loss.item(), "processed_tokens": float(processed)}
 
 
 def export_weights(run: Run, tokenizer, target: Path, world: World) -> None:
@@ -123,17 +122,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
-    """Fine-tune for `max_steps`; `monitor` is rank 0's (None on the other ranks)."""
+    """Fine-tune for `max_steps` (`bench.steps` with `--bench`); `monitor` is rank 0's (None on the other ranks)."""
     tokenizer = load_tokenizer(config.model)
     stream = open_stream(config, world, tokenizer)  # before the model: a bad dataset fails fast
-    run = build_run(config, world, "sft", config.max_steps, "fine-tuning", SFTProgress)
+    max_steps = config.bench.steps if config.bench else config.max_steps
+    run = build_run(config, world, "sft", max_steps, "fine-tuning", SFTProgress)
     if stream is not None and run.progress.step > 0:  # resumed: read on from the checkpoint's position
         stream.state = DataState(**asdict(run.progress.data))
         logger.info(f"the data continues at epoch {stream.state.epoch}, example {stream.state.index} of its order")
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
+    bench_rows: list[dict] = []
 
-    while run.progress.step < config.max_steps:
+    while run.progress.step < max_steps:
         step = run.progress.step + 1
         t0 = time.perf_counter()
         take = partial(take_examples, config, step, stream, vocab_size)
@@ -141,7 +142,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), world.device)
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world.device)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         tokens, samples = run.progress.tokens + info["tokens"], run.progress.samples + info["samples"]
         run.progress = SFTProgress(step, tokens, samples, DataState(**info["data"]))
@@ -149,9 +150,10 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_train = time.perf_counter() - t0 - t_data
 
         t_save = time.perf_counter()
-        if step == config.max_steps or (config.weights_interval and step % config.weights_interval == 0):
-            export_weights(run, tokenizer, weights_dir(config.output_dir, step), world)
-        run.maybe_checkpoint(step, config.max_steps)
+        if config.bench is None:
+            if step == max_steps or (config.weights_interval and step % config.weights_interval == 0):
+                export_weights(run, tokenizer, weights_dir(config.output_dir, step), world)
+            run.maybe_checkpoint(step, max_steps)
         t_save = time.perf_counter() - t_save
 
         data = run.progress.data
@@ -164,9 +166,12 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
             "time_save": t_save,
         }
         if world.is_main:
-            log_step(step, config.max_steps, metrics, info["examples"], monitor)
+            log_step(step, max_steps, metrics, info["examples"], monitor)
+            bench_rows.append({"step": step, "seconds": t_train, **metrics})
     if run.ckpt is not None:
         run.ckpt.wait()
+    if config.bench is not None and world.is_main:
+        print(format_bench_table(bench_rows, TRAINER_BENCH_COLUMNS))
 
 
 def log_step(step: int, max_steps: int, metrics: dict, examples: int | None, monitor: Monitor) -> None:

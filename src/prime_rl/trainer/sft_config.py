@@ -11,6 +11,7 @@ from prime_rl.trainer.config import (
     ConstantSchedulerConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TrainerBenchConfig,
     TrainerModelConfig,
 )
 from prime_rl.utils.monitor_config import WandbConfig
@@ -49,7 +50,8 @@ class ChatDataConfig(BaseConfig):
 
 class FakeDataConfig(BaseConfig):
     type: Literal["fake"] = "fake"
-    """Data kind (selects this section): `batch_size` rows of `seq_len` random tokens per step, for benchmarks."""
+    """Data kind (selects this section): `batch_size` rows of `seq_len` random tokens per step, in a normal run
+    (exports, checkpoints); `--bench` uses the same rows for a throughput table."""
 
 
 DataConfig = Annotated[ChatDataConfig | FakeDataConfig, Field(discriminator="type")]
@@ -74,11 +76,17 @@ class SFTConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Also log to W&B, as run `<name>-sft` (`--wandb` enables with defaults)."""
 
+    bench: TrainerBenchConfig | None = None
+    """Benchmark on fake rows instead of `data` (`--bench` enables): no exports, no checkpoints; prints a table."""
+
     batch_size: int = Field(32, ge=1)
     """Examples (conversations) per optimizer step; skipped examples are replaced by the next ones."""
 
     seq_len: int = Field(2048, ge=2)
     """Maximum tokens per packed row; longer samples are skipped."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    """Packed rows per forward pass, padded to the longest (concatenated for flash_attention_2); same gradient."""
 
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to run; the final weights are exported after the last one."""
@@ -90,9 +98,12 @@ class SFTConfig(EntrypointConfig):
     """Seed of the data order (reshuffled per epoch), random initialisation and fake data."""
 
     @model_validator(mode="after")
-    def _check_schedule(self) -> "SFTConfig":
+    def _check(self) -> "SFTConfig":
         # Imported here: config modules load without torch (the `rl` launcher reads them), optim needs it.
         from prime_rl.trainer.optim import lr_at
 
-        lr_at(0, self.optim.lr, self.scheduler, self.max_steps)  # a schedule longer than the run fails at load
+        steps = self.bench.steps if self.bench else self.max_steps
+        lr_at(0, self.optim.lr, self.scheduler, steps)  # a schedule longer than the run fails at load
+        if self.ckpt is not None and self.ckpt.resuming and self.bench is not None:
+            raise ValueError("--bench runs on fake data and cannot resume from a checkpoint")
         return self

@@ -313,8 +313,14 @@ class ChatStream:
         return samples, ids
 
 
-def fake_samples(seed: int, step: int, count: int, seq_len: int, vocab_size: int) -> list[TrainingSample]:
-    """`count` rows of `seq_len` random tokens, all trained but the first; a function of (seed, step)."""
+def fake_samples(
+    seed: int, step: int, count: int, seq_len: int, vocab_size: int, variable_length: bool = False
+) -> list[TrainingSample]:
+    """`count` samples of `seq_len` random tokens (lengths uniform in [seq_len/8, seq_len] when
+    `variable_length`), all trained but the first; a function of (seed, step)."""
     rng = np.random.default_rng([seed, step])
     rows = rng.integers(0, vocab_size, size=(count, seq_len)).tolist()
-    return [sft_sample(row, [False] + [True] * (seq_len - 1)) for row in rows]
+    if variable_length:
+        lengths = rng.integers(max(2, seq_len // 8), seq_len + 1, size=count).tolist()
+        rows = [row[:n] for row, n in zip(rows, lengths, strict=True)]
+    return [sft_sample(row, [False] + [True] * (len(row) - 1)) for row in rows]

@@ -4,7 +4,7 @@
     uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.train @ cfg.toml
 
 Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
-forward/backward every row (loss normalised by the step's total loss tokens) -> clip, optimizer and
+forward/backward every micro-batch of rows (loss normalised by the step's total loss tokens) -> clip, optimizer and
 scheduler step -> publish pi_n: write `broadcasts/step_n`, or (in-memory broadcast) announce it and wait until
 the orchestrator has taken it -> delete the trained batch and the published steps nothing needs any more ->
 maybe checkpoint. What `sft` does alike (the process around the loop, model and optimizer setup, dealing out
@@ -34,9 +34,9 @@ from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.logprobs import shifted_logprobs
+from prime_rl.trainer.logprobs import forward_logprobs
 from prime_rl.trainer.loss import compute_loss
-from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.packing import PackedRow, collate, micro_batches
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
@@ -202,32 +202,29 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
 
 
 def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
-    """Forward/backward every row of this rank; returns summed statistics (not yet reduced across ranks)."""
+    """Forward/backward every micro-batch of this rank; returns summed statistics (not yet reduced across ranks)."""
     totals: dict[str, torch.Tensor] = {}
 
     def add(key: str, value: torch.Tensor) -> None:
         value = value.detach().double()
         totals[key] = totals[key] + value if key in totals else value
 
-    for row in rows:
-        row = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(row).items()}
-        # No attention mask and no KV cache: transformers then derives a block-diagonal mask (or varlen
-        # flash attention) from the position ids restarting at 0, so packed samples never see each other.
-        ids, pos = row["input_ids"][None], row["position_ids"][None]
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        logp, entropy = shifted_logprobs(logits, row["input_ids"], row["position_ids"], row["temperatures"])
-        del logits
+    concatenate = config.model.attn == "flash_attention_2"
+    for group in micro_batches(rows, config.micro_batch_size):
+        batch = collate(group, concatenate).to(device)
+        logp, entropy = forward_logprobs(model, batch)
+        mask = batch.loss_mask.view(-1)
         loss, stats = compute_loss(
-            logp, row["inference_logprobs"], row["advantages"], row["loss_mask"], row["sample_ids"],
-            row["num_samples"], loss_scale, config.loss,
+            logp.view(-1), batch.inference_logprobs.view(-1), batch.advantages.view(-1), mask,
+            batch.sample_ids.view(-1), batch.num_samples, loss_scale, config.loss,
         )  # fmt: skip
         loss.backward()
         add("loss", loss)
-        add("entropy_sum", entropy[row["loss_mask"]].sum())
-        add("processed_tokens", torch.tensor(len(row["input_ids"])))
+        add("entropy_sum", torch.where(mask, entropy.view(-1), 0.0).sum())
+        add("processed_tokens", torch.tensor(batch.num_tokens))
         for key, value in stats.items():
             add(key, value)
-    return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per row
+    return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per micro-batch
 
 
 def publish(

@@ -1,0 +1,85 @@
+"""One training step's forward/backward (`train_step` of the RL trainer and of sft) on the tiny model: several
+rows per forward (micro-batches) give the loss, statistics and gradient of one row per forward."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prime_rl.batch import TrainingSample
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.trainer import sft, train
+from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.logprobs import install_logprob_head
+from prime_rl.trainer.packing import pack_samples, padding_row
+from prime_rl.trainer.sft_config import SFTConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "tiny", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    install_logprob_head(model, chunk=16)
+    return model
+
+
+def samples(seed: int = 0) -> list[TrainingSample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(9):
+        prompt, completion = rng.randint(2, 10), rng.randint(3, 20)
+        n = prompt + completion
+        out.append(
+            TrainingSample(
+                token_ids=[rng.randrange(480) for _ in range(n)],
+                loss_mask=[False] * prompt + [True] * completion,
+                inference_logprobs=[0.0] * prompt + [rng.uniform(-6.6, -5.8) for _ in range(completion)],
+                advantages=[rng.choice([-1.0, 0.5, 1.0])] * n,
+                temperature=rng.choice([1.0, 0.7]),
+            )
+        )
+    return out
+
+
+def run_step(step_fn, model, config, rows, loss_scale):
+    model.zero_grad(set_to_none=True)
+    totals = step_fn(model, rows, loss_scale, config, torch.device("cpu"))
+    return totals, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loop", ["rl", "sft"])
+def test_micro_batches_give_the_gradient_of_one_row_per_forward(model, model_dir, loop):
+    rows = pack_samples(samples(), seq_len=40)
+    assert len({row.num_tokens for row in rows}) > 1  # rows of different lengths: micro-batches get padded
+    rows.append(padding_row())  # as `shard_rows` adds them
+    loss_scale = sum(row.num_loss_tokens for row in rows)
+    if loop == "rl":
+        step_fn = train.train_step
+        configs = [TrainerConfig(model={"name": str(model_dir)}, micro_batch_size=k) for k in (1, 3)]
+    else:
+        step_fn = sft.train_step
+        configs = [SFTConfig(model={"name": str(model_dir)}, micro_batch_size=k) for k in (1, 3)]
+
+    one, one_grads = run_step(step_fn, model, configs[0], rows, loss_scale)
+    three, three_grads = run_step(step_fn, model, configs[1], rows, loss_scale)
+
+    assert three["processed_tokens"] > one["processed_tokens"]  # the padding, counted as work done
+    for key in one:
+        if key != "processed_tokens":
+            # sums of the same per-token fp32 values in another order (counts are exact)
+            assert three[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    assert one["loss"] != 0
+    for name, grad in one_grads.items():
+        # A reordered fp32 sum is off by a few ulp of its largest terms, so the tolerance scales with the
+        # tensor's largest gradient; a padding token that leaked into the loss or the attention of a real
+        # token would move entries by a sizeable fraction of it.
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(
+            three_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
