@@ -124,8 +124,10 @@ def test_loss_falls_weights_load_and_resume_continues_the_data_stream(model_dir,
         assert again[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-6), step
 
 
-def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size_or_micro_batches(model_dir, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size_micro_batches_or_context_parallelism(
+    model_dir, tmp_path
+):
+    one, two, cp = tmp_path / "one", tmp_path / "two", tmp_path / "cp"
     proc = sft(model_dir, None, one, "--max-steps", "2", nproc=1)
     # `--bench` draws the same fake rows (its 8 samples per step = batch_size 8 here); on 2 ranks, 2 rows per
     # forward. It writes no weights and no checkpoints, even when asked for checkpoints.
@@ -142,6 +144,14 @@ def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size_or_micro_bat
     # averaged (FSDP's default, which would halve the norm). Only the fp32 summation order differs.
     assert b[1]["loss"] == pytest.approx(a[1]["loss"], rel=1e-5)
     assert b[1]["grad_norm"] == pytest.approx(a[1]["grad_norm"], rel=1e-4)
+    # Context parallelism: the 2 ranks share every row, each running half its tokens (the tiny model's 2 heads, 1 kv
+    # head repeated); the loss is counted once and the step after an optimizer step still matches.
+    sft(model_dir, None, cp, "--max-steps", "2", "--model.cp", "2")
+    c = metrics(cp)
+    for step in (1, 2):
+        assert c[step]["tokens"] == a[step]["tokens"] and c[step]["loss_tokens"] == a[step]["loss_tokens"]
+        assert c[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5), step
+        assert c[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
 
 
 def test_multi_turn_rows_train_under_qwen3_and_a_bad_row_stops_every_rank_naming_it(model_dir, tmp_path):

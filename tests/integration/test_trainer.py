@@ -150,12 +150,14 @@ def test_resume_matches_straight_run_and_reshards(model_dir, tmp_path):
     assert [p.parent.parent.name for p in split.glob("checkpoints/step_*/trainer/COMPLETE")] == ["step_4"]
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one(model_dir, tmp_path):
-    """DCP reshards 2 -> 1. SGD with momentum (stateful) instead of Adam: Adam's normalisation turns
-    reduction-order noise on near-zero gradients into +-lr updates, which would hide what we test."""
+def test_two_ranks_by_checkpoint_resharding_or_by_context_parallelism_train_like_one(model_dir, tmp_path):
+    """DCP reshards 2 -> 1; and 2 ranks sharing every row by context parallelism (each runs half of its tokens,
+    attention exchanged all-to-all) train the same weights as one rank. SGD with momentum (stateful) instead of
+    Adam: Adam's normalisation turns reduction-order noise on near-zero gradients into +-lr updates, which would
+    hide what we test."""
     sgd = ("--optim.type", "sgd", "--optim.momentum", "0.9", "--optim.lr", "0.5")
-    reference, split = tmp_path / "reference", tmp_path / "split"
-    for out in (reference, split):
+    reference, split, cp = tmp_path / "reference", tmp_path / "split", tmp_path / "cp"
+    for out in (reference, split, cp):
         write_batches(out, range(1, 5))
     trainer(model_dir, reference, "--max-steps", "4", *sgd, nproc=1)
     trainer(model_dir, split, "--max-steps", "2", "--ckpt", "--ckpt.interval", "2", *sgd)
@@ -167,6 +169,15 @@ def test_checkpoint_from_two_ranks_resumes_on_one(model_dir, tmp_path):
         # fp32 sums in a different order differ by ~1e-7 relative; a wrongly restored shard or momentum
         # buffer would be off by the size of an update (~1e-2 here).
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+    trainer(model_dir, cp, "--max-steps", "4", "--model.cp", "2", *sgd)
+    c = published(cp, 4)
+    for name in a:
+        # The same sums split at another place (each rank half the row): fp32 noise again, while a token that saw
+        # across its sample, or a chunk's gradient counted twice or lost, would move weights by a whole update.
+        torch.testing.assert_close(c[name], a[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((cp / "metrics.jsonl").read_text().splitlines()[0])["loss"] == pytest.approx(
+        json.loads((reference / "metrics.jsonl").read_text().splitlines()[0])["loss"], rel=1e-5
+    )  # counted once, not once per rank of the group
 
 
 @pytest.mark.parametrize("problem", ["truncated", "out_of_vocab", "too_long"])

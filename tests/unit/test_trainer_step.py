@@ -11,6 +11,7 @@ from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer import sft, train
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.distributed import World
 from prime_rl.trainer.logprobs import install_logprob_head
 from prime_rl.trainer.packing import pack_samples, padding_row
 from prime_rl.trainer.sft_config import SFTConfig
@@ -48,7 +49,8 @@ def samples(seed: int = 0) -> list[TrainingSample]:
 
 def run_step(step_fn, model, config, rows, loss_scale):
     model.zero_grad(set_to_none=True)
-    totals = step_fn(model, rows, loss_scale, config, torch.device("cpu"))
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)  # no collective used
+    totals = step_fn(model, rows, loss_scale, config, world)
     return totals, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 

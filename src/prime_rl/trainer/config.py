@@ -170,6 +170,10 @@ class TrainerModelConfig(ModelConfig):
     """Positions whose logits the LM head computes at once (never a whole row's [tokens x vocab]). 1024 x Qwen3's
     151,936 vocab is ~0.6 GB per fp32 copy, a few copies at a time, while each chunk is still a large matmul."""
 
+    cp: int = Field(1, ge=1)
+    """Context parallelism: each packed row is split over `cp` consecutive ranks (Ulysses all-to-all attention over
+    SDPA); must divide the ranks and the attention heads. For rows too long for one device's activations."""
+
 
 class TrainerBenchConfig(BenchConfig):
     """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""

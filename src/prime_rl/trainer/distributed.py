@@ -20,14 +20,28 @@ class World:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    cp: int = 1
+    """Context-parallel degree: consecutive groups of `cp` ranks share each packed row (`model.cp`)."""
+    cp_group: dist.ProcessGroup | None = None
+    """This rank's context-parallel group (None without context parallelism)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
 
-def init_distributed() -> World:
-    """`nccl` on GPU, `gloo` on CPU. Without torchrun's environment, a one-process group is created."""
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: each trains its own rows (a group of `cp` ranks shares them)."""
+        return self.world_size // self.cp
+
+
+def init_distributed(cp: int = 1) -> World:
+    """`nccl` on GPU, `gloo` on CPU. Without torchrun's environment, a one-process group is created. With `cp` > 1,
+    also the context-parallel groups (every rank creates all of them, as torch.distributed requires)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -41,7 +55,13 @@ def init_distributed() -> World:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return World(rank, world_size, local_rank, device, mesh)
+    world = World(rank, world_size, local_rank, device, mesh, cp)
+    if cp > 1 and world_size % cp == 0:  # (the caller refuses a cp that does not divide the world)
+        for first in range(0, world_size, cp):
+            group = dist.new_group(list(range(first, first + cp)))
+            if first <= rank < first + cp:
+                world.cp_group = group
+    return world
 
 
 def broadcast_object(obj, world: World):

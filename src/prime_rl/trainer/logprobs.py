@@ -14,10 +14,15 @@ keeps the hidden states and each position's log-partition; backward recomputes e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor, nn
 
-from prime_rl.trainer.packing import MicroBatch
+from prime_rl.trainer.context_parallel import cp_context, gather_row, pad_row, shard_row
+from prime_rl.trainer.distributed import World
+from prime_rl.trainer.packing import MicroBatch, PackedRow, collate, micro_batches
 
 POST_PROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap")
 """Config fields of architectures whose forward changes the head's output (Gemma's soft-capping, Cohere's and
@@ -178,10 +183,39 @@ def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
     return torch.where(position_ids == 0, 0.0, shifted)
 
 
-def forward_logprobs(model: nn.Module, batch: MicroBatch) -> tuple[Tensor, Tensor]:
+def forward_passes(
+    rows: list[PackedRow], micro_batch_size: int, attn: str, world: World, device: torch.device
+) -> Iterator[MicroBatch]:
+    """This rank's rows as the micro-batches of its forward passes, on `device`, for `forward_logprobs`.
+
+    With context parallelism each micro-batch is one row (its rows concatenated), padded to a multiple of cp,
+    and the loop body (forward *and* backward: activation checkpointing recomputes attention) runs inside
+    `cp_context`, which gives every layer's attention the whole row's position ids.
+    """
+    cp = world.cp
+    for group in micro_batches(rows, micro_batch_size):
+        if cp > 1:
+            group = [pad_row(row, cp) for row in group]
+        batch = collate(group, concatenate=attn == "flash_attention_2" or cp > 1).to(device)
+        with cp_context(world.cp_group, batch.position_ids) if cp > 1 else nullcontext():
+            yield batch
+
+
+def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = None) -> tuple[Tensor, Tensor]:
     """The forward of a micro-batch ([B, L] tensors on the model's device): log p(token t | what precedes it
     in its sample) under the sampling temperature, and the entropy of that distribution; both [B, L] fp32,
-    0 at each sample's first token. Both training loops run every forward through here."""
+    0 at each sample's first token. Both training loops run every forward through here.
+
+    With context parallelism (`world.cp` > 1, inside `forward_passes`' context) this rank runs the model on its
+    chunk of the row, scoring each position's next token taken from the whole row (a chunk's last position
+    predicts the next rank's first token), and the chunks are gathered: every rank of the group gets the whole
+    row's values, and backward sends each rank only the gradient of its own chunk.
+    """
     targets = next_token_targets(batch.input_ids)
-    logp, entropy = next_token_logprobs(model, batch.input_ids, batch.position_ids, targets, batch.temperatures)
+    tensors = (batch.input_ids, batch.position_ids, targets, batch.temperatures)
+    if world is None or world.cp == 1:
+        logp, entropy = next_token_logprobs(model, *tensors)
+    else:
+        logp, entropy = next_token_logprobs(model, *(shard_row(t, world.cp_rank, world.cp) for t in tensors))
+        logp, entropy = gather_row(logp, world.cp_group), gather_row(entropy, world.cp_group)
     return shift_to_tokens(logp, batch.position_ids), shift_to_tokens(entropy, batch.position_ids)

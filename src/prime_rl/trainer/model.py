@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from prime_rl.trainer.config import TrainerModelConfig
+from prime_rl.trainer.context_parallel import enable_context_parallel
 from prime_rl.trainer.distributed import World
 from prime_rl.trainer.loading import checkpoint_plan, load_shards, scatter_from_rank0
 from prime_rl.trainer.logprobs import install_logprob_head
@@ -146,6 +147,11 @@ def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World
     model.config.use_cache = False
     model.generation_config = generation_config(config, model.generation_config)
     install_logprob_head(model, config.logprob_chunk)
+    if config.cp > 1:
+        try:
+            enable_context_parallel(model, config.cp)
+        except ValueError as e:
+            raise SetupError(str(e)) from None
     tie_output_embeddings(model)
     plan = None if config.random_init else checkpoint_plan(model, config.name)
 

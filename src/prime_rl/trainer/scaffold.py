@@ -60,12 +60,14 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
     a traceback; rank 0 prints its message once (`next_rows` and the lock raise it on every rank alike).
     """
     die_with_torchrun_agent()
-    world = init_distributed()
+    world = init_distributed(config.model.cp)
     setup_logging(role, config.log.level)  # the console only, until the output dir is ours
     if not world.is_main:
         logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
     lock, monitor, exit_code = None, None, 1
     try:
+        if world.world_size % world.cp:
+            raise SetupError(f"model.cp={world.cp} must divide the number of ranks ({world.world_size})")
         lock = claim_output_dir(config.output_dir, role, world)
         if world.is_main:
             setup_logging(role, config.log.level, config.output_dir / "logs", file_name=config.log.file)
@@ -191,7 +193,7 @@ def next_rows(
             samples, facts = take_samples()
             rows = pack_samples(samples, seq_len)
             payload = {
-                "shards": shard_rows(rows, world.world_size),
+                "shards": [shard for shard in shard_rows(rows, world.dp_size) for _ in range(world.cp)],
                 "loss_tokens": sum(row.num_loss_tokens for row in rows),
                 "tokens": sum(len(s.token_ids) for s in samples),
                 "samples": len(samples),
@@ -204,7 +206,7 @@ def next_rows(
     if "error" in payload:
         raise payload["error"]
     mine: list = [None]
-    dist.scatter_object_list(mine, shards, src=0)  # each rank receives only its own rows
+    dist.scatter_object_list(mine, shards, src=0)  # each rank receives only its own rows (a CP group the same ones)
     return mine[0], payload
 
 

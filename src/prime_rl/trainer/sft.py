@@ -25,8 +25,8 @@ from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import load_config
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.logprobs import forward_logprobs
-from prime_rl.trainer.packing import PackedRow, collate, micro_batches
+from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
+from prime_rl.trainer.packing import PackedRow
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
@@ -88,20 +88,21 @@ def take_examples(
     return samples, {"data": asdict(stream.state), "examples": len(stream.examples)}
 
 
-def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, device) -> dict[str, float]:
+def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, world: World) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank: Σ over loss tokens of -log p(token | what precedes it in
-    its sample), divided by the step's loss-token count. Returns summed statistics (not yet reduced across ranks).
+    its sample), divided by the step's loss-token count. Returns summed statistics (not yet reduced across ranks;
+    a context-parallel group's first rank reports its group's).
     """
-    loss = torch.zeros((), dtype=torch.float64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=world.device)
     processed = 0
-    concatenate = config.model.attn == "flash_attention_2"
-    for group in micro_batches(rows, config.micro_batch_size):
-        batch = collate(group, concatenate).to(device)
-        logp, _ = forward_logprobs(model, batch)  # temperature 1: sft samples carry the default
+    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world, world.device):
+        logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
         batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
         batch_loss.backward()
         loss += batch_loss.detach().double()
         processed += batch.num_tokens
+    if world.cp_rank != 0:
+        return {"loss": 0.0, "processed_tokens": 0.0}
     return {"loss": loss.item(), "processed_tokens": float(processed)}
 
 
@@ -142,7 +143,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world.device)
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         tokens, samples = run.progress.tokens + info["tokens"], run.progress.samples + info["samples"]
         run.progress = SFTProgress(step, tokens, samples, DataState(**info["data"]))

@@ -34,9 +34,9 @@ from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.logprobs import forward_logprobs
+from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
 from prime_rl.trainer.loss import compute_loss
-from prime_rl.trainer.packing import PackedRow, collate, micro_batches
+from prime_rl.trainer.packing import PackedRow
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
@@ -85,7 +85,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world.device)
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         run.progress = Progress(step, run.progress.tokens + info["tokens"], run.progress.samples + info["samples"])
         sums = all_reduce_sums(totals, world)
@@ -201,18 +201,19 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
     return samples
 
 
-def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, device) -> dict[str, float]:
-    """Forward/backward every micro-batch of this rank; returns summed statistics (not yet reduced across ranks)."""
+def train_step(
+    model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, world: World
+) -> dict[str, float]:
+    """Forward/backward every micro-batch of this rank; returns summed statistics (not yet reduced across ranks;
+    the ranks of a context-parallel group compute the same ones, which only its first rank reports)."""
     totals: dict[str, torch.Tensor] = {}
 
     def add(key: str, value: torch.Tensor) -> None:
         value = value.detach().double()
         totals[key] = totals[key] + value if key in totals else value
 
-    concatenate = config.model.attn == "flash_attention_2"
-    for group in micro_batches(rows, config.micro_batch_size):
-        batch = collate(group, concatenate).to(device)
-        logp, entropy = forward_logprobs(model, batch)
+    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world, world.device):
+        logp, entropy = forward_logprobs(model, batch, world)
         mask = batch.loss_mask.view(-1)
         loss, stats = compute_loss(
             logp.view(-1), batch.inference_logprobs.view(-1), batch.advantages.view(-1), mask,
@@ -224,6 +225,8 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: TrainerC
         add("processed_tokens", torch.tensor(batch.num_tokens))
         for key, value in stats.items():
             add(key, value)
+    if world.cp_rank != 0:
+        return dict.fromkeys(totals, 0.0)
     return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per micro-batch
 
 
