@@ -73,6 +73,10 @@ class OptimizerBase(BaseConfig):
     max_norm: float = Field(1.0, ge=0)
     """Clip gradients to this global L2 norm before each step; 0 disables clipping."""
 
+    cpu_offload: bool = False
+    """Keep the optimizer's state (AdamW moments, momentum) in host memory between steps, on the GPU only during
+    `step()` (CUDA only; `model.cpu_offload` already keeps it on the host)."""
+
 
 class AdamWConfig(OptimizerBase):
     type: Literal["adamw"] = "adamw"

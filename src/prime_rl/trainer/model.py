@@ -26,14 +26,21 @@ class SetupError(Exception):
     """A setting that cannot work on this machine."""
 
 
-def check_device(config: TrainerModelConfig, device: torch.device) -> None:
-    """Fail before loading anything when the model settings need hardware this process does not have."""
+def check_device(config: TrainerModelConfig, optim, device: torch.device) -> None:
+    """Fail before loading anything when the settings need hardware this process does not have."""
     if config.cpu_offload and device.type != "cuda":
         raise SetupError("--model.cpu-offload keeps GPU weights in pinned CPU memory; it needs a CUDA device")
+    if optim.cpu_offload and device.type != "cuda":
+        raise SetupError("--optim.cpu-offload keeps optimizer state off the GPU; it needs a CUDA device")
+    if optim.cpu_offload and config.cpu_offload:
+        raise SetupError("--optim.cpu-offload is part of --model.cpu-offload (everything on the host): choose one")
 
 
 def load_arch(config: TrainerModelConfig) -> PreTrainedConfig:
-    return AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    except OSError as e:  # a missing directory, an unknown hub id, no network
+        raise SetupError(f"model.name {config.name!r}: {e}") from None
 
 
 def stored_dtype(arch: PreTrainedConfig) -> torch.dtype:

@@ -35,7 +35,7 @@ from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.logprobs import HeadError
 from prime_rl.trainer.model import SetupError, build_model, check_device, load_arch, stored_dtype
-from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
 from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
@@ -110,7 +110,10 @@ def claim_output_dir(output_dir: Path, role: str, world: World) -> OutputDirLock
 
 
 def load_tokenizer(config: TrainerModelConfig):
-    return AutoTokenizer.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(config.name, trust_remote_code=config.trust_remote_code)
+    except OSError as e:  # a missing directory, an unknown hub id, no network
+        raise SetupError(f"model.name {config.name!r}: {e}") from None
 
 
 @dataclass
@@ -125,12 +128,18 @@ class Run:
     """Where the run stands (restored from the checkpoint on resume); the loop replaces it after each step."""
     export_dtype: torch.dtype
     """The dtype of the model's own checkpoint: published or exported weights are written back in it."""
+    offload_device: torch.device | None = None
+    """With `optim.cpu_offload`: the device the optimizer state comes to for each step (it lives on the host)."""
 
     def optimizer_step(self, max_norm: float) -> tuple[float, float]:
         """Clip, then step optimizer and schedule; returns the gradient norm before clipping and the lr used."""
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
+        if self.offload_device is not None:
+            move_optimizer_state(self.optimizer, self.offload_device)
         self.optimizer.step()
+        if self.offload_device is not None:
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm, lr
@@ -149,7 +158,7 @@ def build_run(
     `name` is the checkpoint's subdirectory (`checkpoints/step_n/<name>/`); `progress_type` a `Progress` that
     records more when the loop needs it (sft: the data position).
     """
-    check_device(config.model, world.device)
+    check_device(config.model, config.optim, world.device)
     torch.manual_seed(config.seed)
     arch = load_arch(config.model)
     export_dtype = stored_dtype(arch)
@@ -168,7 +177,8 @@ def build_run(
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"steps {progress.step + 1}..{max_steps or 'inf'}"
     )
-    return Run(model, optimizer, scheduler, ckpt, progress, export_dtype)
+    offload = world.device if config.optim.cpu_offload else None
+    return Run(model, optimizer, scheduler, ckpt, progress, export_dtype, offload)
 
 
 # ---------------------------------------------------------------------------------------------------------
