@@ -1,0 +1,143 @@
+"""The trainer on CUDA (`../shared/gpu-checklist.md`): `pytest -m gpu tests/gpu` on a machine with a GPU.
+
+These have never run: the development machine has no GPU, and no GPU was lent while they were written. They need
+only torch, transformers, safetensors, pydantic(-settings), loguru, msgspec and tomli-w besides our source
+(`PYTHONPATH=src`), which is what a GPU machine without our other dependencies can run.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+QWEN3_06B = dict(
+    hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_shaped(tmp_path_factory) -> Path:
+    from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "qwen3-0.6b-shaped", **QWEN3_06B))
+
+
+def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offload(qwen3_shaped, tmp_path):
+    """Checklist 1: FSDP2 on CUDA/NCCL, bf16 compute and fp32 masters, the Qwen3-0.6B-shaped model: the loss of one
+    fixed batch falls over a few steps; `optim.cpu_offload` gives the same losses (the same arithmetic on the GPU)."""
+    script = """
+    import json, sys, torch
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.distributed import init_distributed
+    from prime_rl.trainer.scaffold import build_run
+    from prime_rl.trainer.packing import pack_samples
+    from prime_rl.trainer.train import fake_samples, train_step
+
+    config = TrainerConfig(model={"name": sys.argv[1]}, seq_len=4096, bench={"samples": 2},
+                           optim={"type": "adamw", "lr": 1e-4, "cpu_offload": sys.argv[2] == "1"})
+    world = init_distributed()
+    run = build_run(config, world, "trainer", 5, "testing")
+    rows = pack_samples(fake_samples(config, run.model.config.vocab_size, 1), config.seq_len)
+    losses = []
+    for _ in range(5):
+        totals = train_step(run.model, rows, sum(r.num_loss_tokens for r in rows), config, world)
+        run.optimizer_step(1.0)
+        losses.append(totals["loss"])
+    print("LOSSES", json.dumps(losses))
+    """
+    results = []
+    for offload in ("0", "1"):
+        out = run_ranks(script, 1, tmp_path, str(qwen3_shaped), offload).stdout
+        results.append([float(x) for x in out.split("LOSSES", 1)[1].strip().strip("[]").split(",")])
+    plain, offloaded = results
+    assert all(torch.isfinite(torch.tensor(plain))) and plain[-1] < plain[0], plain
+    assert offloaded == pytest.approx(plain, rel=1e-6), (plain, offloaded)
+
+
+def test_chunked_logprobs_keep_peak_memory_flat_at_qwen3_vocab_and_16k_tokens():
+    """Checklist 4: the chunked head's peak memory at vocab 151,936 and 16k tokens, against the full logits (which
+    alone are 16k x 151,936 x 4 bytes = 9.3 GiB in fp32)."""
+    from prime_rl.trainer.logprobs import chunked_logprobs
+
+    tokens, vocab, hidden = 16384, 151_936, 1024
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True) * 0.02
+    w.retain_grad()
+    targets = torch.randint(vocab, (tokens,), device="cuda")
+    temperatures = torch.ones(tokens, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp, _ = chunked_logprobs(h, w, targets, temperatures, 1024)
+    logp.sum().backward()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    print(f"chunked head, {tokens} tokens x {vocab}: peak {extra:.2f} GiB above its inputs")
+    assert extra < 4.0  # chunk logits (1024 x vocab, a few fp32 copies) + the fp32 weight gradient (0.6 GiB)
+
+
+def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path):
+    """Checklist 5: the trainer side of the NCCL transfer; a second process on the same GPU receives as a vLLM worker
+    would (`prime_rl.weight_broadcast`), and gets exactly the trainer's parameters in bf16."""
+    from prime_rl.utils.net import free_port
+
+    port = free_port()
+    receiver = """
+    import sys, time, torch
+    from prime_rl.weight_broadcast import agree, connect_store, join_group, reachable, receive_header, receive_tensors
+    port, out = int(sys.argv[1]), sys.argv[2]
+    while not reachable("127.0.0.1", port):  # the sender starts its store
+        time.sleep(0.2)
+    store = connect_store("127.0.0.1", port, 60)
+    store.wait(["session"])
+    session = store.get("session").decode()
+    group = join_group(store, session, 1, 1, 2, "nccl", 60)
+    device = torch.device("cuda", 0)
+    header = receive_header(group, device)
+    agree(group, True, device)
+    torch.save({n: t.cpu() for n, t in receive_tensors(group, header, device)}, out)
+    """
+    sender = """
+    import json, sys, torch
+    from types import SimpleNamespace
+    from prime_rl.config import WeightBroadcastConfig
+    from prime_rl.trainer.broadcast import WeightSender
+    from prime_rl.trainer.distributed import init_distributed
+    from prime_rl.weight_broadcast import request_key, served_key, set_json
+    world = init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    sender = WeightSender(WeightBroadcastConfig(type="nccl", port=int(sys.argv[1]), timeout=60), world)
+    sender.publish(1)
+    set_json(sender.store, request_key(1), {"generation": 1, "world_size": 2})
+    sender.serve(model, torch.bfloat16)
+    print("SERVED", sender.store.get(served_key(1)).decode())
+    torch.save({n: p.detach().to(torch.bfloat16).cpu() for n, p in model.named_parameters()}, sys.argv[2])
+    """
+    (tmp_path / "receiver.py").write_text(textwrap.dedent(receiver))
+    recv = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), str(port), str(tmp_path / "got.pt")])
+    try:
+        out = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt")).stdout
+        assert recv.wait(120) == 0
+    finally:
+        recv.kill()
+    assert '"error": null' in out
+    sent, got = torch.load(tmp_path / "sent.pt"), torch.load(tmp_path / "got.pt")
+    assert sent.keys() == got.keys() and all(torch.equal(sent[n], got[n]) for n in sent)
