@@ -140,3 +140,30 @@ def test_rollout_workers_close_before_they_started(tmp_path):
 
     workers = RolloutWorkers(OrchestratorConfig(output_dir=tmp_path), tmp_path, "info")
     asyncio.run(workers.close(grace=0.1))
+
+
+def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_path, capsys):
+    # One host: `rl` picks a free port for the trainer's store, the same in both sections; the store is local.
+    config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")
+    trainer, orch = config.trainer.weight_broadcast, config.orchestrator.weight_broadcast
+    assert trainer == orch and trainer.type == "gloo" and trainer.host == "127.0.0.1" and trainer.port is not None
+    # Several hosts: the store is on trainer node 0 (deployment.master_addr) unless set, and the port must be given.
+    split = [
+        "--deployment.roles",
+        "[orchestrator]",
+        "--deployment.inference-hosts",
+        "10.0.0.7",
+        "--deployment.run-id",
+        "r1",
+        "--deployment.master-addr",
+        "10.0.0.9",
+    ]
+    config = rl_config(tmp_path, *split, "--weight-broadcast.type", "gloo", "--weight-broadcast.port", "29511")
+    assert (config.orchestrator.weight_broadcast.host, config.orchestrator.weight_broadcast.port) == ("10.0.0.9", 29511)
+    err = rl_error(tmp_path, capsys, *split, "--weight-broadcast.type", "gloo")
+    assert "weight_broadcast.port must be set when the processes run on several hosts" in err
+    # A section that disagrees with the shared value is a contradiction, named.
+    err = rl_error(tmp_path, capsys, "--weight-broadcast.type", "gloo", "--trainer.weight-broadcast.type", "nccl")
+    assert "weight_broadcast.type = 'gloo' contradicts trainer.weight_broadcast.type = 'nccl'" in err
+    err = rl_error(tmp_path, capsys, "--trainer.weight-broadcast.type", "gloo")  # set in one section only
+    assert "trainer.weight_broadcast and orchestrator.weight_broadcast disagree" in err
