@@ -192,6 +192,10 @@ class Scheduler:
         self.target_inflight = max(1, round(config.groups_per_batch * config.oversampling))
         unusable_limit = max(16, 2 * config.groups_per_batch)
         self.liveness = Liveness(config.stall_timeout, unusable_limit, config.seq_len)
+        # With an in-memory broadcast the trainer waits until its new policy is taken: look for it often (a look is
+        # one store request), so the trainer hardly waits. Files on a shared filesystem are looked for less often.
+        broadcast = config.weight_broadcast.in_memory
+        self.poll = min(config.weights_poll_interval, 0.05) if broadcast else config.weights_poll_interval
 
     # -- policy --------------------------------------------------------------------------------------------
 
@@ -208,7 +212,7 @@ class Scheduler:
         logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
         while self.servers.latest_published() < step:
-            await asyncio.sleep(self.config.weights_poll_interval)
+            await asyncio.sleep(self.poll)
             self._check_fatal()
             now = time.monotonic()
             if now - start > self.config.stall_timeout:
@@ -352,7 +356,7 @@ class Scheduler:
                     f"batch {batch}: nothing in flight and no group may start (policy step {self.servers.version}, "
                     f"{trained_rollouts(self.finished)} of {self.config.batch_size} rollouts finished)"
                 )
-            done = await self.workers.receive(timeout=self.config.weights_poll_interval)
+            done = await self.workers.receive(timeout=self.poll)
             if done is not None:
                 accepted = len(self.finished)
                 self.on_done(done)
