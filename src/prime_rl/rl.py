@@ -155,7 +155,7 @@ class RLConfig(EntrypointConfig):
 
     weight_broadcast: WeightBroadcastConfig | None = None
     """Shared: how new policies reach inference (`type = "gloo"` or `"nccl"`: in memory from the trainer; on one host
-    `rl` picks a free port, on several the trainer's address defaults to `deployment.master_addr`)."""
+    `rl` picks a free port, on several the store defaults to `deployment.master_addr`, `deployment.master_port + 1`)."""
 
     trainer_gpu_ids: list[int] = [1]
     """GPUs of the trainer (CUDA_VISIBLE_DEVICES); also the number of trainer ranks (on CPU only the count is used)."""
@@ -211,9 +211,9 @@ class RLConfig(EntrypointConfig):
             if not deploy.single_host and "host" not in shared:
                 shared["host"] = deploy.master_addr  # trainer rank 0 runs on trainer node 0
             if self.weight_broadcast.in_memory and shared.get("port") is None:
-                if not deploy.single_host:
-                    raise ValueError("weight_broadcast.port must be set when the processes run on several hosts")
-                shared["port"] = self.weight_broadcast.port = free_port()
+                # Every host must agree: on several, the port after the trainer's rendezvous port (the same config).
+                port = free_port() if deploy.single_host else deploy.master_port + 1
+                shared["port"] = self.weight_broadcast.port = port
             for name, section in (("trainer", trainer), ("orchestrator", orch)):
                 current = section.weight_broadcast
                 for key, value in shared.items():

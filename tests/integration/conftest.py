@@ -7,7 +7,9 @@ carries Qwen3's sampling defaults in generation_config.json, as real checkpoints
 
 import asyncio
 import json
+import re
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -55,3 +57,12 @@ def verifiers_loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+def requests_running(url: str) -> float:
+    """vLLM's own gauge of requests being generated (`/metrics` needs no API key); 0 when the server does not answer."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.TransportError:
+        return 0.0
+    return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from conftest import requests_running
 from rl_run import started_pid, write_rl_config
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
@@ -262,15 +263,6 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
 def orchestrator_log(out: Path) -> str:
     path = out / "logs" / "orchestrator.log"
     return path.read_text(errors="replace") if path.exists() else ""
-
-
-def requests_running(url: str) -> float:
-    """vLLM's own gauge of requests being generated (`/metrics` needs no API key)."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-    except httpx.TransportError:
-        return 0.0
-    return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
 
 
 def wait_gone(url: str, timeout: float = 60) -> bool:

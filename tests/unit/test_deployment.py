@@ -147,7 +147,7 @@ def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_pat
     config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")
     trainer, orch = config.trainer.weight_broadcast, config.orchestrator.weight_broadcast
     assert trainer == orch and trainer.type == "gloo" and trainer.host == "127.0.0.1" and trainer.port is not None
-    # Several hosts: the store is on trainer node 0 (deployment.master_addr) unless set, and the port must be given.
+    # Several hosts: the store is on trainer node 0 (deployment.master_addr and master_port + 1) unless set.
     split = [
         "--deployment.roles",
         "[orchestrator]",
@@ -160,8 +160,8 @@ def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_pat
     ]
     config = rl_config(tmp_path, *split, "--weight-broadcast.type", "gloo", "--weight-broadcast.port", "29511")
     assert (config.orchestrator.weight_broadcast.host, config.orchestrator.weight_broadcast.port) == ("10.0.0.9", 29511)
-    err = rl_error(tmp_path, capsys, *split, "--weight-broadcast.type", "gloo")
-    assert "weight_broadcast.port must be set when the processes run on several hosts" in err
+    config = rl_config(tmp_path, *split, "--weight-broadcast.type", "gloo", "--deployment.master-port", "29600")
+    assert config.orchestrator.weight_broadcast.port == 29601  # every host derives the same port
     # A section that disagrees with the shared value is a contradiction, named.
     err = rl_error(tmp_path, capsys, "--weight-broadcast.type", "gloo", "--trainer.weight-broadcast.type", "nccl")
     assert "weight_broadcast.type = 'gloo' contradicts trainer.weight_broadcast.type = 'nccl'" in err

@@ -134,6 +134,7 @@ def test_multi_node_layout(helm):
         # Trainer node 0's address: the torchrun rendezvous, and where the servers and the orchestrator find the
         # in-memory weight broadcast (`weight_broadcast.host` defaults to it on several hosts).
         assert flag(container, "--deployment.master-addr") == "exp-trainer-0.exp-trainer", name
+        assert flag(container, "--deployment.master-port") == "29500", name
 
     trainer, trainer_pod = pods["trainer"]
     assert flag(trainer, "--deployment.trainer-nodes") == "2"

@@ -223,7 +223,11 @@ def test_shared_fields_have_one_definition():
     ("model", "optim", "needle"),
     [
         ({"cpu_offload": True}, {"type": "adamw"}, "--model.cpu-offload"),
-        ({}, {"type": "adamw", "cpu_offload": True}, "--optim.cpu-offload keeps optimizer state off the GPU; it needs a CUDA device"),
+        (
+            {},
+            {"type": "adamw", "cpu_offload": True},
+            "--optim.cpu-offload keeps optimizer state off the GPU; it needs a CUDA device",
+        ),
     ],
 )
 def test_offloading_needs_cuda(model, optim, needle):

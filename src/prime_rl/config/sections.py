@@ -76,7 +76,8 @@ class WeightBroadcastConfig(BaseConfig):
     """Address of trainer rank 0 as the servers and the orchestrator reach it (its rendezvous store listens there)."""
 
     port: int | None = Field(None, ge=1, le=65535)
-    """Port of that store. None: `rl` picks a free one on a single host; set it when the processes start apart."""
+    """Port of that store. None: `rl` picks a free one on one host, `deployment.master_port + 1` on several; set it
+    when trainer and orchestrator start without `rl`."""
 
     timeout: float = Field(120.0, gt=0)
     """Seconds each part of a transfer may take (a member joining, one layer's broadcast) before it fails."""

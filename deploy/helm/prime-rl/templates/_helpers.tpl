@@ -49,6 +49,8 @@ app.kubernetes.io/component: {{ .role }}
 {{- $name := include "prime-rl.fullname" . }}
 - --deployment.master-addr
 - {{ $name }}-trainer-0.{{ $name }}-trainer
+- --deployment.master-port
+- {{ .Values.trainer.rendezvousPort | quote }}
 {{- end }}
 {{- end -}}
 
