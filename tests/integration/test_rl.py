@@ -59,7 +59,8 @@ NIM_MIX = REVERSE_TEXT.replace('"reverse-text"\n', '"reverse-text"\nratio = 1\n'
 
 
 BROADCAST = '[weight_broadcast]\ntype = "gloo"\n'
-"""The in-memory weight broadcast (the filesystem path: the `rl dies` test, the orchestrator's and trainer's tests)."""
+"""The in-memory weight broadcast (the filesystem path: `rl dies[orchestrator]`, the orchestrator's and trainer's
+tests)."""
 
 
 @pytest.mark.slow
@@ -136,7 +137,9 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     srv = tied_server
     out = srv.root / "rl" / f"kill_{victim}"
     out.mkdir(parents=True)
-    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=1000)
+    # A trainer rank killed while the in-memory broadcast is on (it may be sending); the orchestrator's run reads files.
+    extra = BROADCAST if victim == "trainer-rank" else ""
+    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=1000, extra=extra)
     log = tmp_path / "rl.log"
     proc = start_rl(config, log=log)
     try:
