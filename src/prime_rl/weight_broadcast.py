@@ -62,10 +62,17 @@ def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
 
 
 def connect_store(host: str, port: int, timeout: float) -> TCPStore:
-    """A client of the trainer's store; raises `ConnectionError` naming the address when nothing listens there."""
-    if not reachable(host, port, min(timeout, 5.0)):
+    """A client of the trainer's store; raises `ConnectionError` naming the address when nothing listens there.
+
+    The client connects within 5 s, then waits up to `timeout` for keys: TCPStore retries a connection that dies
+    while it validates (a trainer killed just then) until its timeout runs out, and again after a backoff, which
+    kept a server paused for 200 s with the transfer timeout of 120 s; 5 s bounds that at about 10 s."""
+    connect = min(timeout, 5.0)
+    if not reachable(host, port, connect):
         raise ConnectionError(f"no weight-broadcast store at {host}:{port} (trainer rank 0 hosts it)")
-    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect))
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 def get_json(store: Store, key: str) -> dict:

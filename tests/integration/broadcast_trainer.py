@@ -61,6 +61,7 @@ def main() -> None:
         wait_until(world, lambda step=step: sender.taken_or_unwanted(step), f"step {step} taken", 300, sender, run)
     done = lambda: sender.store.check([ORCHESTRATOR_DONE])  # noqa: E731
     wait_until(world, done, "the orchestrator to finish", 300, sender, run)
+    sender.close()  # the patched send_tensors above keeps `sender` alive until interpreter exit otherwise
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from conftest import API_KEY
@@ -173,6 +174,10 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     time.sleep(1)
     alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    # A server caught receiving (or connecting to the dead trainer's store) fails that transfer within seconds and
+    # loads weights again (it once stayed paused for 200 s, retrying the store).
+    r = httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.slow

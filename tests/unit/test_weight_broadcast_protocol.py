@@ -5,10 +5,13 @@ tests/integration/test_weight_broadcast.py."""
 
 import asyncio
 import json
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +27,7 @@ from prime_rl.trainer.broadcast import WeightSender, header
 from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.train import wait_until
 from prime_rl.utils.net import free_port
-from prime_rl.weight_broadcast import ORCHESTRATOR_DONE, Header, layer_groups, served_key
+from prime_rl.weight_broadcast import ORCHESTRATOR_DONE, Header, connect_store, layer_groups, served_key
 
 RECEIVER = Path(__file__).with_name("broadcast_receiver.py")
 TIMEOUT = 20.0
@@ -204,3 +207,30 @@ def test_the_trainer_waits_for_its_policy_to_be_taken_then_moves_on(trainer):
     assert sender.taken_or_unwanted(4) and sender.taken_or_unwanted(3) and not sender.taken_or_unwanted(5)
     sender.store.set(ORCHESTRATOR_DONE, "1")
     assert sender.taken_or_unwanted(5)
+
+
+def test_a_store_that_resets_connections_fails_the_client_in_seconds_not_the_transfer_timeout():
+    """A trainer killed while a server connects to its store: the connection dies during TCPStore's validation, which
+    it retries until its timeout. The client connects within 5 s (~10 s with one retry after a backoff), then waits
+    for keys up to the transfer timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reset_every_connection():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+            conn.close()
+
+    threading.Thread(target=reset_every_connection, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(dist.DistNetworkError):
+        connect_store("127.0.0.1", port, timeout=120)
+    listener.close()
+    assert time.monotonic() - start < 30  # 120 s and more before
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert connect_store("127.0.0.1", master.port, timeout=120).timeout == timedelta(seconds=120)

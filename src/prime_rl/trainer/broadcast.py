@@ -83,6 +83,12 @@ class WeightSender:
         """Rank 0: a server received `step` (or newer), or the orchestrator finished and wants nothing more."""
         return self.taken >= step or (self.store is not None and self.store.check([ORCHESTRATOR_DONE]))
 
+    def close(self) -> None:
+        """Drops the transfer group, then the store, while the interpreter is whole: a gloo group or store left to
+        interpreter exit can be destroyed with its threads still running, which aborts the process."""
+        self.group, self.group_key = None, None
+        self.store = None
+
     def pop_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds

@@ -105,6 +105,8 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             log_step(step, metrics, monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
 
+    if sender is not None:
+        sender.close()
     if run.ckpt is not None:
         run.ckpt.wait()
         if world.is_main and config.bench is None:  # the last save may have pruned checkpoints: their weights too
