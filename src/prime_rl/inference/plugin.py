@@ -126,10 +126,14 @@ class WeightSwapper:
 
     async def load_dir(self, weight_dir: Path, version: str) -> float:
         async def load() -> tuple[Path | None, str]:
-            await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
+            await self._read(weight_dir)
             return weight_dir, version
 
         return (await self._swap(load))[0]
+
+    async def _read(self, weight_dir: Path) -> None:
+        """Every worker reloads its weights in place from `weight_dir`."""
+        await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
 
     async def receive(self, spec: BroadcastSpec, version: str | None) -> tuple[float, str]:
         """Receive the trainer's broadcast; returns the seconds it took and the version now served."""
@@ -176,7 +180,7 @@ class WeightSwapper:
             self.unknown = f"{self.version} came by broadcast and cannot be read again"
         if self.unknown is None:
             try:
-                await self.engine.collective_rpc("prime_load_weights", args=(str(self.current_dir),))
+                await self._read(self.current_dir)
                 await self.engine.update_weight_version(self.version)
                 logger.warning(f"restored {self.version} from {self.current_dir}")
                 return

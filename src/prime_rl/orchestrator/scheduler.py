@@ -202,16 +202,17 @@ class Scheduler:
     async def ensure_policy(self, batch: int) -> None:
         """Barrier: the servers serve at least `pi_{batch-1-k}`; load anything newer that is published."""
         needed = min_policy_for(batch, self.k)
-        if self.servers.version < needed and self.servers.latest_published() < needed:
-            await self._wait_for(needed, f"batch {batch} needs policy step {needed} (k={self.k})")
-        latest = self.servers.latest_published()
+        latest = self.servers.latest_published()  # a directory listing, and a store request for a broadcast
+        if self.servers.version < needed and latest < needed:
+            latest = await self._wait_for(needed, f"batch {batch} needs policy step {needed} (k={self.k})")
         if latest > self.servers.version:
             await self.swap(max(latest, needed))
 
-    async def _wait_for(self, step: int, why: str) -> None:
+    async def _wait_for(self, step: int, why: str) -> int:
+        """Until the trainer published `step` or newer; returns the newest published step."""
         logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
-        while self.servers.latest_published() < step:
+        while (latest := self.servers.latest_published()) < step:
             await asyncio.sleep(self.poll)
             self._check_fatal()
             now = time.monotonic()
@@ -225,6 +226,7 @@ class Scheduler:
                 logger.warning(f"{why}: still waiting ({now - start:.0f}s) for {self.servers.where(step)}")
                 warned = now
         self.stats.wait_for_weights += time.monotonic() - start
+        return latest
 
     async def swap(self, step: int) -> None:
         old = self.servers.version

@@ -155,13 +155,7 @@ class InferenceServers:
                 outcomes = [
                     (url, r if isinstance(r, BaseException) else None) for url, r in zip(urls, results, strict=True)
                 ]
-            for url, result in outcomes:
-                if isinstance(result, ServerError):
-                    raise result
-                if isinstance(result, httpx.HTTPError):
-                    self.mark_failed(url, f"weight swap to policy step {self.version} failed: {result!r}")
-                elif isinstance(result, BaseException):
-                    raise result
+            self._settle(outcomes)
             seconds = time.perf_counter() - start
         logger.debug(f"servers now serve policy step {self.version} ({seconds:.3f}s)")
         return seconds
@@ -208,13 +202,18 @@ class InferenceServers:
         if self.broadcast is None or on_disk:
             await self._load_on(url, self.version)
             return
-        for other, result in await self._broadcast_to([*self.healthy(), url]):
-            if isinstance(result, BaseException) and other == url:
+        self._settle(await self._broadcast_to([*self.healthy(), url]), recovering=url)
+
+    def _settle(self, outcomes: list[tuple[str, BaseException | None]], recovering: str | None = None) -> None:
+        """Act on each server's outcome of a swap (None: it serves `version`). A transient failure (`httpx.HTTPError`:
+        connection lost, 5xx) takes that server out of rotation; anything else (a `ServerError`: bad weights, wrong
+        key) raises, and so does any failure of `recovering`, the server being caught up (its recovery retries)."""
+        for url, result in outcomes:
+            if result is None:
+                continue
+            if url == recovering or not isinstance(result, httpx.HTTPError):
                 raise result
-            if isinstance(result, httpx.HTTPError):
-                self.mark_failed(other, f"weight broadcast of policy step {self.version} failed: {result!r}")
-            elif isinstance(result, BaseException):
-                raise result
+            self.mark_failed(url, f"weight swap to policy step {self.version} failed: {result!r}")
 
     def latest_published(self) -> int:
         """Newest policy step the trainer published: on disk (`broadcasts/step_n/STABLE`), or held by the trainer for

@@ -183,10 +183,8 @@ def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
     return torch.where(position_ids == 0, 0.0, shifted)
 
 
-def forward_passes(
-    rows: list[PackedRow], micro_batch_size: int, attn: str, world: World, device: torch.device
-) -> Iterator[MicroBatch]:
-    """This rank's rows as the micro-batches of its forward passes, on `device`, for `forward_logprobs`.
+def forward_passes(rows: list[PackedRow], micro_batch_size: int, attn: str, world: World) -> Iterator[MicroBatch]:
+    """This rank's rows as the micro-batches of its forward passes, on its device, for `forward_logprobs`.
 
     With context parallelism each micro-batch is one row (its rows concatenated), padded to a multiple of cp,
     and the loop body (forward *and* backward: activation checkpointing recomputes attention) runs inside
@@ -196,7 +194,7 @@ def forward_passes(
     for group in micro_batches(rows, micro_batch_size):
         if cp > 1:
             group = [pad_row(row, cp) for row in group]
-        batch = collate(group, concatenate=attn == "flash_attention_2" or cp > 1).to(device)
+        batch = collate(group, concatenate=attn == "flash_attention_2" or cp > 1).to(world.device)
         with cp_context(world.cp_group, batch.position_ids) if cp > 1 else nullcontext():
             yield batch
 

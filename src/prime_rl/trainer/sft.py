@@ -95,7 +95,7 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfi
     """
     loss = torch.zeros((), dtype=torch.float64, device=world.device)
     processed = 0
-    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world, world.device):
+    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
         logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
         batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
         batch_loss.backward()

@@ -214,7 +214,7 @@ def train_step(
         value = value.detach().double()
         totals[key] = totals[key] + value if key in totals else value
 
-    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world, world.device):
+    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
         logp, entropy = forward_logprobs(model, batch, world)
         mask = batch.loss_mask.view(-1)
         loss, stats = compute_loss(
