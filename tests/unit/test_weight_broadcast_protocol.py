@@ -212,7 +212,8 @@ def test_the_trainer_waits_for_its_policy_to_be_taken_then_moves_on(trainer):
 def test_a_store_that_resets_connections_fails_the_client_in_seconds_not_the_transfer_timeout():
     """A trainer killed while a server connects to its store: the connection dies during TCPStore's validation, which
     it retries until its timeout. The client connects within 5 s (~10 s with one retry after a backoff), then waits
-    for keys up to the transfer timeout."""
+    for keys up to the transfer timeout. The reset can also reach the reachability probe before its connect() returns
+    (a loaded 2-core machine): then the client fails with ConnectionError at once; callers catch both."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -227,7 +228,7 @@ def test_a_store_that_resets_connections_fails_the_client_in_seconds_not_the_tra
 
     threading.Thread(target=reset_every_connection, daemon=True).start()
     start = time.monotonic()
-    with pytest.raises(dist.DistNetworkError):
+    with pytest.raises((dist.DistNetworkError, ConnectionError)):
         connect_store("127.0.0.1", port, timeout=120)
     listener.close()
     assert time.monotonic() - start < 30  # 120 s and more before
