@@ -371,7 +371,8 @@ def load_toml(path: Path, _stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Key
 
 def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
     """`--optim.lr 0.1` overrides the default optimizer's lr: give partial tables of a tagged union
-    (e.g. `optim: AdamWConfig | SGDConfig`) the tag of the field's default when they do not name one.
+    (e.g. `optim: AdamWConfig | SGDConfig`) the tag of the field's default when they do not name one (of the union's
+    first member when the default is None).
     (pydantic-settings' `nested_model_default_partial_update` would also keep the default's other keys,
     which another member of the union refuses.)"""
     for name, info in cls.model_fields.items():
@@ -382,6 +383,8 @@ def fill_discriminators(cls: type[BaseModel], data: dict) -> dict:
         default = info.get_default(call_default_factory=True)
         if len(sections) > 1 and isinstance(default, BaseModel) and "type" in type(default).model_fields:
             value = {"type": default.type, **value}
+        elif len(sections) > 1 and default is None and "type" in sections[0].model_fields:  # an optional union: its
+            value = {"type": sections[0].model_fields["type"].default, **value}  # first member (adamw, constant)
         if len(sections) > 1:  # recurse into the member the tag names
             sections = [
                 m for m in sections if "type" in m.model_fields and m.model_fields["type"].default == value.get("type")

@@ -13,6 +13,7 @@ from prime_rl.config import (
     WeightBroadcastConfig,
 )
 from prime_rl.orchestrator.buffer import BufferConfig
+from prime_rl.trainer.config import OptimizerConfig, SchedulerConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
 
@@ -131,9 +132,29 @@ class LogExtrasConfig(BaseConfig):
     """Distributions of rewards, advantages and sequence lengths: W&B histograms, summary stats in metrics.jsonl."""
 
 
+class AdapterConfig(BaseConfig):
+    """This run trains a LoRA adapter of the served base model (the trainer's `model.lora`), not the full weights."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """The adapter's name on the inference servers; rollouts name it as the model once a trained step is loaded."""
+
+    optim: OptimizerConfig | None = None
+    """This run's optimizer in the trainer (default: the trainer's `optim`)."""
+
+    scheduler: SchedulerConfig | None = None
+    """This run's learning-rate schedule over its `max_steps` (default: the trainer's `scheduler`)."""
+
+    seed: int | None = None
+    """Seed of the adapter's initial weights (default: the trainer's `seed`)."""
+
+
 class OrchestratorConfig(EntrypointConfig):
     model: ClientModelConfig = ClientModelConfig()
     """The policy being trained, as the inference servers serve it."""
+
+    adapter: AdapterConfig | None = None
+    """Train a LoRA adapter instead of the full weights (the trainer reads this section from the run's resolved
+    config, `configs/orchestrator.toml`)."""
 
     client: ClientConfig = ClientConfig()
     """Inference servers."""

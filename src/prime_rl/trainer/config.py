@@ -150,6 +150,22 @@ SchedulerConfig = Annotated[
 ]
 
 
+class LoRAConfig(BaseConfig):
+    """Low-rank adapters on the named linear layers; the base weights stay frozen and only adapters train."""
+
+    rank: int = Field(8, ge=1)
+    """r: adapter rank (vLLM serves ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512 up to its `max_lora_rank`)."""
+
+    alpha: float = Field(16.0, gt=0)
+    """Scaling numerator: the adapter adds (alpha / rank) * B A x to the layer's output."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training."""
+
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names (last component) of the linear layers that get adapters; each must match at least one layer."""
+
+
 class TrainerModelConfig(ModelConfig):
     random_init: bool = False
     """Use only the architecture and tokenizer of `name` and start from random weights (seeded by `seed`)."""
@@ -173,6 +189,9 @@ class TrainerModelConfig(ModelConfig):
     logprob_chunk: int = Field(1024, ge=1)
     """Positions whose logits the LM head computes at once (never a whole row's [tokens x vocab]). 1024 x Qwen3's
     151,936 vocab is ~0.6 GB per fp32 copy, a few copies at a time, while each chunk is still a large matmul."""
+
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of the full weights (`--model.lora` enables with defaults)."""
 
     cp: int = Field(1, ge=1)
     """Context parallelism: each packed row is split over `cp` consecutive ranks (Ulysses all-to-all attention over
@@ -235,8 +254,24 @@ class TrainerConfig(EntrypointConfig):
     seed: int = 0
     """Seed for random initialisation and fake data."""
 
+    max_concurrent_runs: int = Field(1, ge=1)
+    """With `model.lora`: runs trained at once, each an orchestrator on `output_dir/run_<name>` with its own adapter,
+    optimizer, schedule, checkpoints and metrics (found while training); 1: `output_dir` itself is the one run."""
+
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         if self.ckpt is not None and self.ckpt.resuming and self.bench is not None:
             raise ValueError("--bench runs on fake data and cannot resume from a checkpoint")
+        if self.max_concurrent_runs > 1 and self.model.lora is None:
+            raise ValueError("max_concurrent_runs > 1 trains one LoRA adapter per run: set [model.lora]")
+        if self.model.lora is not None:
+            if self.weight_broadcast.in_memory:
+                raise ValueError(
+                    f"weight_broadcast.type = {self.weight_broadcast.type!r}: LoRA adapters are published to "
+                    "`broadcasts/` (a few MB each); use the filesystem type"
+                )
+            if self.model.cp > 1:
+                raise ValueError("model.lora does not support context parallelism (model.cp > 1) yet")
+            if self.bench is not None:
+                raise ValueError("--bench measures full-weight training; it does not run LoRA adapters")
         return self
