@@ -50,7 +50,10 @@ def samples(seed: int = 0) -> list[TrainingSample]:
 def run_step(step_fn, model, config, rows, loss_scale):
     model.zero_grad(set_to_none=True)
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)  # no collective used
-    totals = step_fn(model, rows, loss_scale, config, world)
+    if step_fn is train.train_step:  # per run slot (one here)
+        totals = step_fn(model, rows, {0: loss_scale}, config, world)[0]
+    else:
+        totals = step_fn(model, rows, loss_scale, config, world)
     return totals, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 

@@ -161,6 +161,8 @@ def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World
             raise SetupError(str(e)) from None
     tie_output_embeddings(model)
     plan = None if config.random_init else checkpoint_plan(model, config.name)
+    if config.lora is not None:  # only the adapters train (`lora.py`); FSDP2 reads requires_grad when it shards
+        model.requires_grad_(False)
 
     shard_model(model, config, world)
     materialise(model, torch.device("cpu") if config.cpu_offload else world.device)

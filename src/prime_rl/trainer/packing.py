@@ -40,6 +40,8 @@ class PackedRow:
     num_samples: int
     sample_indices: list[int]
     """Indices into the batch's sample list, in row order (empty for padding rows)."""
+    slot: int = 0
+    """The run whose samples these are: its adapter slot with LoRA (`lora.py`), 0 otherwise; -1 for padding."""
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +76,8 @@ class MicroBatch:
     temperatures: torch.Tensor
     sample_ids: torch.Tensor
     num_samples: int
+    slots: torch.Tensor
+    """[B, L] long: each token's row's `slot` (-1 for padding)."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +86,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(
-            **{name: getattr(self, name).to(device) for name in (*TENSOR_FIELDS, "sample_ids")},
+            **{name: getattr(self, name).to(device) for name in (*TENSOR_FIELDS, "sample_ids", "slots")},
             num_samples=self.num_samples,
         )
 
@@ -174,6 +178,7 @@ def padding_row(pad_token_id: int = 0, length: int = 1) -> PackedRow:
         sample_ids=torch.zeros(length, dtype=torch.long),
         num_samples=1,
         sample_indices=[],
+        slot=-1,
     )
 
 
@@ -209,6 +214,7 @@ def join_rows(rows: Sequence[PackedRow]) -> PackedRow:
         sample_ids=torch.cat([row.sample_ids + offset for row, offset in zip(rows, offsets, strict=True)]),
         num_samples=sum(row.num_samples for row in rows),
         sample_indices=[i for row in rows for i in row.sample_indices],
+        slot=rows[0].slot,
     )
 
 
@@ -218,9 +224,11 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
     if not rows:
         raise ValueError("a micro-batch needs at least one row")
     if concatenate:
+        slots = torch.cat([torch.full((r.num_tokens,), r.slot, dtype=torch.long) for r in rows]).unsqueeze(0)
         rows = [join_rows(rows)]
     else:
         longest = max(row.num_tokens for row in rows)
+        slots = torch.stack([torch.full((longest,), r.slot, dtype=torch.long) for r in rows])
         rows = [
             join_rows([r, padding_row(length=longest - r.num_tokens)]) if r.num_tokens < longest else r for r in rows
         ]
@@ -229,6 +237,7 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
         **{name: torch.stack([getattr(row, name) for row in rows]) for name in TENSOR_FIELDS},
         sample_ids=torch.stack([row.sample_ids + offset for row, offset in zip(rows, offsets, strict=True)]),
         num_samples=sum(row.num_samples for row in rows),
+        slots=slots,
     )
 
 

@@ -188,25 +188,36 @@ def build_run(
 def next_rows(
     world: World,
     seq_len: int,
-    take_samples: Callable[[], tuple[list[TrainingSample], dict]],
+    take_samples: Callable[[], tuple[list[TrainingSample] | dict[int, list[TrainingSample]], dict]],
     errors: tuple[type[Exception], ...],
 ) -> tuple[list[PackedRow], dict]:
     """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
 
-    `take_samples()` runs on rank 0 only and returns the samples plus facts every rank should see (they join
-    the totals `loss_tokens`, `tokens`, `samples`). An `errors` exception there is raised on every rank with
-    rank 0's message, instead of leaving the other ranks blocked in the next collective.
+    `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
+    each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
+    `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
+    raised on every rank with rank 0's message, instead of leaving the other ranks blocked in the next collective.
     """
     payload: dict = {}
     if world.is_main:
         try:
             samples, facts = take_samples()
-            rows = pack_samples(samples, seq_len)
+            by_slot = samples if isinstance(samples, dict) else {0: samples}
+            rows, slots = [], {}
+            for slot, slot_samples in by_slot.items():
+                slot_rows = pack_samples(slot_samples, seq_len)
+                for row in slot_rows:
+                    row.slot = slot
+                rows += slot_rows
+                slots[slot] = {
+                    "loss_tokens": sum(row.num_loss_tokens for row in slot_rows),
+                    "tokens": sum(len(s.token_ids) for s in slot_samples),
+                    "samples": len(slot_samples),
+                }
             payload = {
                 "shards": [shard for shard in shard_rows(rows, world.dp_size) for _ in range(world.cp)],
-                "loss_tokens": sum(row.num_loss_tokens for row in rows),
-                "tokens": sum(len(s.token_ids) for s in samples),
-                "samples": len(samples),
+                **{key: sum(totals[key] for totals in slots.values()) for key in ("loss_tokens", "tokens", "samples")},
+                "slots": slots,
                 **facts,
             }
         except errors as e:

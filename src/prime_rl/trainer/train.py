@@ -15,6 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -58,7 +59,12 @@ BATCH_ERRORS = (BatchError, TimeoutError)
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(TrainerConfig, "trainer", argv)
     with trainer_process("trainer", config, BATCH_ERRORS) as (world, monitor):
-        train(config, world, monitor)
+        if config.model.lora is not None:
+            from prime_rl.trainer.train_lora import train_lora
+
+            train_lora(config, world, monitor)
+        else:
+            train(config, world, monitor)
 
 
 def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
@@ -85,7 +91,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world)
+        totals = train_step(run.model, rows, {0: max(info["loss_tokens"], 1)}, config, world)[0]
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         run.progress = Progress(step, run.progress.tokens + info["tokens"], run.progress.samples + info["samples"])
         sums = all_reduce_sums(totals, world)
@@ -172,17 +178,23 @@ def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[
     if config.bench is not None:
         samples = fake_samples(config, vocab_size, step)
     else:
-        path = batch_path(config.output_dir, step)  # there: the loop waited for it
-        batch = read_batch(path)
-        if batch.step != step:
-            raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
-        validate_batch(batch, path, vocab_size, config.seq_len)
-        samples = batch.samples
+        samples = load_batch(config.output_dir, step, vocab_size, config.seq_len)  # there: the loop waited for it
+    return samples, policy_versions(samples)
+
+
+def load_batch(output_dir, step: int, vocab_size: int, seq_len: int) -> list[TrainingSample]:
+    """The checked samples of `rollouts/step_n/batch.bin` (`BatchError` naming the file when unusable)."""
+    path = batch_path(output_dir, step)
+    batch = read_batch(path)
+    if batch.step != step:
+        raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
+    validate_batch(batch, path, vocab_size, seq_len)
+    return batch.samples
+
+
+def policy_versions(samples: list[TrainingSample]) -> dict:
     versions = [v for s in samples for v in s.policy_versions]
-    return samples, {
-        "policy_version/min": min(versions, default=None),
-        "policy_version/max": max(versions, default=None),
-    }
+    return {"policy_version/min": min(versions, default=None), "policy_version/max": max(versions, default=None)}
 
 
 def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
@@ -204,32 +216,45 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
 
 
 def train_step(
-    model, rows: list[PackedRow], loss_scale: float, config: TrainerConfig, world: World
-) -> dict[str, float]:
-    """Forward/backward every micro-batch of this rank; returns summed statistics (not yet reduced across ranks;
-    the ranks of a context-parallel group compute the same ones, which only its first rank reports)."""
-    totals: dict[str, torch.Tensor] = {}
+    model, rows: list[PackedRow], loss_scales: dict[int, float], config: TrainerConfig, world: World, adapters=None
+) -> dict[int, dict[str, float]]:
+    """Forward/backward every micro-batch of this rank; returns summed statistics per slot (rows of slot s are run s's,
+    their loss divided by `loss_scales[s]`, run s's loss tokens in the whole step). Not yet reduced across ranks; the
+    ranks of a context-parallel group compute the same ones, which only its first rank reports. `adapters`: the LoRA
+    adapters (`lora.py`), told which slot each token trains."""
+    totals: dict[int, dict[str, torch.Tensor]] = {slot: {} for slot in loss_scales}
+    first = min(loss_scales)
 
-    def add(key: str, value: torch.Tensor) -> None:
+    def add(slot: int, key: str, value: torch.Tensor) -> None:
         value = value.detach().double()
-        totals[key] = totals[key] + value if key in totals else value
+        totals[slot][key] = totals[slot][key] + value if key in totals[slot] else value
 
     for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
-        logp, entropy = forward_logprobs(model, batch, world)
-        mask = batch.loss_mask.view(-1)
-        loss, stats = compute_loss(
-            logp.view(-1), batch.inference_logprobs.view(-1), batch.advantages.view(-1), mask,
-            batch.sample_ids.view(-1), batch.num_samples, loss_scale, config.loss,
-        )  # fmt: skip
-        loss.backward()
-        add("loss", loss)
-        add("entropy_sum", torch.where(mask, entropy.view(-1), 0.0).sum())
-        add("processed_tokens", torch.tensor(batch.num_tokens))
-        for key, value in stats.items():
-            add(key, value)
+        with adapters.tokens(batch.slots, first) if adapters is not None else nullcontext():
+            logp, entropy = forward_logprobs(model, batch, world)
+            tokens = {name: getattr(batch, name).view(-1) for name in ("loss_mask", "inference_logprobs", "advantages")}
+            logp, entropy, sample_ids, slots = logp.view(-1), entropy.view(-1), batch.sample_ids.view(-1), batch.slots
+            present = [s for s in torch.unique(slots).tolist() if s >= 0] or [first]
+            loss = 0.0
+            for slot in present:
+                pick = (lambda t: t) if len(present) == 1 else (lambda t, m=slots.view(-1) == slot: t[m])  # noqa: E731
+                mask = pick(tokens["loss_mask"])
+                slot_loss, stats = compute_loss(
+                    pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
+                    pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss,
+                )  # fmt: skip
+                loss = loss + slot_loss
+                add(slot, "loss", slot_loss)
+                add(slot, "entropy_sum", torch.where(mask, pick(entropy), 0.0).sum())
+                add(slot, "processed_tokens", torch.tensor(mask.numel() if len(present) > 1 else batch.num_tokens))
+                for key, value in stats.items():
+                    add(slot, key, value)
+            loss.backward()
+    keys = {key for slot_totals in totals.values() for key in slot_totals}  # every rank ran at least one micro-batch
+    zero = torch.zeros((), dtype=torch.float64)
     if world.cp_rank != 0:
-        return dict.fromkeys(totals, 0.0)
-    return {k: v.item() for k, v in totals.items()}  # one sync per statistic per step, not per micro-batch
+        return {slot: dict.fromkeys(keys, 0.0) for slot in totals}
+    return {slot: {k: t.get(k, zero).item() for k in keys} for slot, t in totals.items()}  # one sync per statistic
 
 
 def publish(
