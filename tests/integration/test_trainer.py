@@ -52,7 +52,7 @@ def write_batches(output_dir: Path, steps: range) -> None:
         write_batch(make_batch(step), batch_path(output_dir, step))
 
 
-def trainer(model_dir: Path, output_dir: Path, *args: str, nproc: int = 2, check: bool = True):
+def trainer(model_dir: Path, output_dir: Path, *args: str, nproc: int = 2, check: bool = True, popen: bool = False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "prime_rl.trainer.train"] if nproc > 1 else []
     if nproc == 1:
@@ -60,6 +60,8 @@ def trainer(model_dir: Path, output_dir: Path, *args: str, nproc: int = 2, check
     cmd += ["--model.name", str(model_dir), "--output-dir", str(output_dir), "--seq-len", "96"]
     cmd += ["--optim.lr", "1e-2", "--model.dtype", "float32", "--batch-timeout", "60", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen:  # the caller waits for it (`communicate`)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

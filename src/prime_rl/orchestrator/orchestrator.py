@@ -14,9 +14,11 @@ as one table.
 """
 
 import asyncio
+import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from loguru import logger
@@ -202,6 +204,14 @@ class BenchScheduler(Scheduler):
         """Nothing to wait for, nothing to load (a stale `broadcasts/` in the output dir is ignored too)."""
 
 
+def drop_stale_batches(output_dir: Path, step: int) -> None:
+    """Batches after `step` are an earlier life's: a trainer would train them as this run's next ones."""
+    for path in (Path(output_dir) / "rollouts").glob("step_*"):
+        number = path.name.removeprefix("step_")
+        if number.isdigit() and int(number) > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
     lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
@@ -219,6 +229,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
                 env_tasks.skip(buffer.drawn(name))
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
+    drop_stale_batches(output_dir, progress.step)
+    write_resolved_config(config, "orchestrator")  # now: a LoRA trainer takes it as this run (re)starting
 
     monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)
     broadcast = (
@@ -297,7 +309,6 @@ async def orchestrate(config: OrchestratorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(OrchestratorConfig, "orchestrator", argv)
     setup_logging("orchestrator", config.log.level, config.output_dir / "logs", file_name=config.log.file)
-    write_resolved_config(config, "orchestrator")
     try:
         asyncio.run(orchestrate(config))
     except KeyboardInterrupt:

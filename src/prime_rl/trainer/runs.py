@@ -155,7 +155,9 @@ class Runs:
                 continue
             if not free:
                 if name not in self.first_seen:
-                    logger.warning(f"run {name} waits for a free slot (max_concurrent_runs={self.config.max_concurrent_runs})")
+                    logger.warning(
+                        f"run {name} waits for a free slot (max_concurrent_runs={self.config.max_concurrent_runs})"
+                    )
                 self.first_seen.setdefault(name, now)
                 continue
             resume = config.ckpt.resume_step if config.ckpt is not None else None
@@ -211,8 +213,7 @@ class Runs:
                                            optimizer, scheduler)  # fmt: skip
         monitor = None
         if self.is_main:
-            if joining.resume_step is not None:
-                clean_after(joining.path, progress.step)
+            drop_later_adapters(joining.path, progress.step)
             if self.config.max_concurrent_runs == 1:
                 monitor = self.monitor
             else:
@@ -259,14 +260,13 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def clean_after(run_dir: Path, step: int) -> None:
-    """Batches and adapters of the run after `step` are an earlier life's (the run resumes at `step`): drop them. The
-    restarted orchestrator needs seconds to its first batch; `rl` cleans before it starts anything."""
-    for kind in ("rollouts", "broadcasts"):
-        for path in (run_dir / kind).glob("step_*"):
-            number = path.name.removeprefix("step_")
-            if number.isdigit() and int(number) > step:
-                shutil.rmtree(path, ignore_errors=True)
+def drop_later_adapters(run_dir: Path, step: int) -> None:
+    """Adapters of the run after `step` are an earlier life's (it starts or resumes at `step`): its orchestrator must
+    not load them. (The orchestrator drops its own stale batches before it writes the config that starts the run.)"""
+    for path in (run_dir / "broadcasts").glob("step_*"):
+        number = path.name.removeprefix("step_")
+        if number.isdigit() and int(number) > step:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_run_checkpoint(run: Run, adapters: LoRAAdapters) -> Path:

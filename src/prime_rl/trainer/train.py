@@ -237,7 +237,7 @@ def train_step(
             present = [s for s in torch.unique(slots).tolist() if s >= 0] or [first]
             loss = 0.0
             for slot in present:
-                pick = (lambda t: t) if len(present) == 1 else (lambda t, m=slots.view(-1) == slot: t[m])  # noqa: E731
+                pick = whole if len(present) == 1 else partial(select, slots.view(-1) == slot)
                 mask = pick(tokens["loss_mask"])
                 slot_loss, stats = compute_loss(
                     pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
@@ -255,6 +255,14 @@ def train_step(
     if world.cp_rank != 0:
         return {slot: dict.fromkeys(keys, 0.0) for slot in totals}
     return {slot: {k: t.get(k, zero).item() for k in keys} for slot, t in totals.items()}  # one sync per statistic
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def select(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[mask]
 
 
 def publish(

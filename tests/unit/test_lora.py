@@ -1,0 +1,80 @@
+"""LoRA adapters of the trainer (`trainer/lora.py`) on the tiny model, one process: the export is a peft adapter that
+peft loads to the trainer's logits, and each token goes through its own run's adapter."""
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.trainer.config import LoRAConfig
+from prime_rl.trainer.lora import LoRAAdapters
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("model") / "tiny", dtype="float32"))
+
+
+def base_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def trained_like(adapters: LoRAAdapters, slot: int, seed: int) -> None:
+    """A fresh adapter, then B made nonzero (as training would), so the adapter changes the logits."""
+    adapters.reset_slot(slot, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for key in adapters.B:
+            b = adapters.B[key][slot]
+            b.copy_(torch.randn(b.shape, generator=generator) * 0.5)
+
+
+def test_export_loads_in_peft_with_the_trainer_logits_and_tokens_use_their_own_adapter(model_dir, tmp_path):
+    config = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = base_model(model_dir)
+    adapters = LoRAAdapters(model, config, slots=2, device=torch.device("cpu"))
+    assert len(adapters.targets) == 3 * model.config.num_hidden_layers
+    trained_like(adapters, 0, seed=1)
+    trained_like(adapters, 1, seed=2)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = base_model(model_dir)(ids).logits
+        per_slot = {}
+        for slot in (0, 1):
+            with adapters.tokens(torch.full_like(ids, slot), carrier=slot):
+                per_slot[slot] = model(ids).logits
+        with adapters.tokens(torch.tensor([[0] * 12, [1] * 12]), carrier=0):
+            mixed = model(ids).logits
+
+    for slot in (0, 1):
+        target = adapters.save(slot, tmp_path / f"adapter_{slot}", str(model_dir), torch.float32)
+        peft_model = PeftModel.from_pretrained(base_model(model_dir), target).eval()
+        with torch.no_grad():
+            reference = peft_model(ids).logits
+        # The same fp32 products in peft's order (lora_B(lora_A(x)) * scaling) and ours: rounding only.
+        torch.testing.assert_close(per_slot[slot], reference, rtol=1e-5, atol=1e-5)
+        assert (per_slot[slot] - base).abs().max() > 1e-2  # the adapter matters
+    # A micro-batch of two runs: each row exactly as if it ran alone (the rows do not attend to each other).
+    torch.testing.assert_close(mixed[0], per_slot[0][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mixed[1], per_slot[1][1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_fresh_adapter_is_the_base_model_and_its_draw_depends_on_the_seed_only(model_dir):
+    model = base_model(model_dir)
+    adapters = LoRAAdapters(model, LoRAConfig(rank=2), slots=3, device=torch.device("cpu"))
+    adapters.reset_slot(0, seed=7)
+    adapters.reset_slot(2, seed=7)
+    adapters.reset_slot(1, seed=8)
+    a0, a1, a2 = (adapters.state(slot) for slot in range(3))
+    assert all(torch.equal(a0[k], a2[k]) for k in a0)  # the slot does not matter
+    assert not all(torch.equal(a0[k], a1[k]) for k in a0 if "lora_A" in k)
+    ids = torch.randint(0, 200, (1, 9))
+    with torch.no_grad(), adapters.tokens(torch.full_like(ids, 1), carrier=1):
+        logits = model(ids).logits
+    assert torch.equal(logits, base_model(model_dir)(ids).logits)  # B = 0 adds exactly 0
+
+
+def test_unknown_target_modules_are_named(model_dir):
+    with pytest.raises(ValueError, match="qkv_proj"):
+        LoRAAdapters(base_model(model_dir), LoRAConfig(target_modules=["q_proj", "qkv_proj"]), 1, torch.device("cpu"))
