@@ -89,14 +89,14 @@ def test_runs_in_one_trainer_train_as_alone_join_leave_and_resume(model_dir, tmp
     lines = (together / "run_b" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all('"process": "trainer"' in line for line in lines)
 
-    # Resume run b alone from its step-1 checkpoint (its orchestrator restarted: a new config): steps 2 and 3 again
-    # give the adapters of the uninterrupted run.
+    # Resume run b alone from its step-1 checkpoint (its orchestrator restarted: a new config) on one rank: steps 2
+    # and 3 again give the adapters of the uninterrupted run.
     resumed = tmp_path / "resumed"
     (resumed / "run_b").mkdir(parents=True)
     subprocess.run(["cp", "-r", str(together / "run_b" / "checkpoints"), str(resumed / "run_b")], check=True)
     for step in (2, 3):
         subprocess.run(["rm", "-rf", str(resumed / "run_b" / "checkpoints" / f"step_{step}")], check=True)
     add_run(resumed, "b", 0.2, seed=5, steps=range(2, 4), resume=1)
-    trainer(model_dir, resumed, *LORA, "--max-concurrent-runs", "2")
+    trainer(model_dir, resumed, *LORA, "--max-concurrent-runs", "2", nproc=1)  # saved on 2 ranks, resumed on 1
     for step in (2, 3):
         assert_same_adapter(adapter(resumed / "run_b", step), adapter(together / "run_b", step))
