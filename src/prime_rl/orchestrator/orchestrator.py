@@ -14,7 +14,6 @@ as one table.
 """
 
 import asyncio
-import shutil
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_re
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.worker import RolloutWorkers
 from prime_rl.utils.bench import Column, format_bench_table
+from prime_rl.utils.fs import remove_steps_after
 from prime_rl.utils.locks import OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.loop_lag import LoopLagMonitor
@@ -204,14 +204,6 @@ class BenchScheduler(Scheduler):
         """Nothing to wait for, nothing to load (a stale `broadcasts/` in the output dir is ignored too)."""
 
 
-def drop_stale_batches(output_dir: Path, step: int) -> None:
-    """Batches after `step` are an earlier life's: a trainer would train them as this run's next ones."""
-    for path in (Path(output_dir) / "rollouts").glob("step_*"):
-        number = path.name.removeprefix("step_")
-        if number.isdigit() and int(number) > step:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
     lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
@@ -229,7 +221,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
                 env_tasks.skip(buffer.drawn(name))
         logger.info(f"resuming from step {step}: the next batch is {step + 1}")
-    drop_stale_batches(output_dir, progress.step)
+    remove_steps_after(Path(output_dir) / "rollouts", progress.step)  # an earlier life's: a trainer would train them
     write_resolved_config(config, "orchestrator")  # now: a LoRA trainer takes it as this run (re)starting
 
     monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from prime_rl.trainer.config import LoRAConfig
 from prime_rl.utils.fs import atomic_dir
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 """What peft puts before a module's path in the names of an exported adapter's tensors."""
 
@@ -180,7 +179,3 @@ class LoRAAdapters(nn.Module):
         if marker:
             (target / marker).touch()
         return target
-
-
-def load_adapter_tensors(directory: Path) -> dict[str, Tensor]:
-    return load_file(str(Path(directory) / ADAPTER_WEIGHTS))

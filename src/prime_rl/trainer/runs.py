@@ -34,7 +34,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.weights import STABLE, broadcast_dir, prune_broadcasts
-from prime_rl.utils.fs import atomic_dir, write_atomic
+from prime_rl.utils.fs import atomic_dir, remove_steps_after, write_atomic
 from prime_rl.utils.monitor import Monitor
 
 RUN_CONFIG = Path("configs") / "orchestrator.toml"
@@ -213,7 +213,9 @@ class Runs:
                                            optimizer, scheduler)  # fmt: skip
         monitor = None
         if self.is_main:
-            drop_later_adapters(joining.path, progress.step)
+            # Adapters after the start step are an earlier life's: its orchestrator must not load them. (The
+            # orchestrator drops its own stale batches before it writes the config that starts the run.)
+            remove_steps_after(joining.path / "broadcasts", progress.step)
             if self.config.max_concurrent_runs == 1:
                 monitor = self.monitor
             else:
@@ -258,15 +260,6 @@ def _mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except FileNotFoundError:
         return None
-
-
-def drop_later_adapters(run_dir: Path, step: int) -> None:
-    """Adapters of the run after `step` are an earlier life's (it starts or resumes at `step`): its orchestrator must
-    not load them. (The orchestrator drops its own stale batches before it writes the config that starts the run.)"""
-    for path in (run_dir / "broadcasts").glob("step_*"):
-        number = path.name.removeprefix("step_")
-        if number.isdigit() and int(number) > step:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_run_checkpoint(run: Run, adapters: LoRAAdapters) -> Path:

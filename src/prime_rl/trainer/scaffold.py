@@ -150,6 +150,17 @@ class Run:
             self.ckpt.save(step, self.model, self.optimizer, self.scheduler, self.progress)
 
 
+def load_model(config, world: World) -> tuple[PreTrainedModel, torch.dtype]:
+    """The sharded model (seeded) and the dtype of its checkpoint, which published or exported weights are written in."""
+    check_device(config.model, config.optim, world.device)
+    torch.manual_seed(config.seed)
+    arch = load_arch(config.model)
+    export_dtype = stored_dtype(arch)
+    model = build_model(config.model, arch, world, config.seed)
+    model.config.dtype = export_dtype
+    return model, export_dtype
+
+
 def build_run(
     config, world: World, name: str, max_steps: int | None, verb: str, progress_type: type[P] = Progress
 ) -> Run:
@@ -158,12 +169,7 @@ def build_run(
     `name` is the checkpoint's subdirectory (`checkpoints/step_n/<name>/`); `progress_type` a `Progress` that
     records more when the loop needs it (sft: the data position).
     """
-    check_device(config.model, config.optim, world.device)
-    torch.manual_seed(config.seed)
-    arch = load_arch(config.model)
-    export_dtype = stored_dtype(arch)
-    model = build_model(config.model, arch, world, config.seed)
-    model.config.dtype = export_dtype
+    model, export_dtype = load_model(config, world)
     optimizer = build_optimizer(model.parameters(), config.optim)
     scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
     ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, name) if config.ckpt else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import torch
 from loguru import logger
 
 from prime_rl.batch import BatchError, remove_batch
@@ -24,20 +23,15 @@ from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.model import build_model, check_device, load_arch, stored_dtype
 from prime_rl.trainer.runs import Changes, Run, Runs
-from prime_rl.trainer.scaffold import StepMeter, all_reduce_sums, next_rows
+from prime_rl.trainer.scaffold import StepMeter, all_reduce_sums, load_model, next_rows
 from prime_rl.trainer.train import BATCH_ERRORS, load_batch, policy_versions, rl_metrics, train_step, wait_until
 from prime_rl.utils.monitor import Monitor
 
 
 def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
     """Train every run found until none is left (or stop when none ever comes within `batch_timeout`)."""
-    check_device(config.model, config.optim, world.device)
-    torch.manual_seed(config.seed)
-    arch = load_arch(config.model)
-    export_dtype = stored_dtype(arch)
-    model = build_model(config.model, arch, world, config.seed)
+    model, export_dtype = load_model(config, world)
     adapters = LoRAAdapters(model, config.model.lora, config.max_concurrent_runs, world.device)
     runs = Runs(config, adapters, world.is_main, monitor)
     vocab_size = model.config.vocab_size

@@ -66,3 +66,11 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_steps_after(directory: Path, step: int) -> None:
+    """Delete the `step_n` entries of `directory` with n > `step` (an earlier life's batches or weights)."""
+    for path in Path(directory).glob("step_*"):
+        number = path.name.removeprefix("step_")
+        if number.isdigit() and int(number) > step:
+            shutil.rmtree(path, ignore_errors=True)
