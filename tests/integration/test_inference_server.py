@@ -531,10 +531,27 @@ def test_an_adapter_serves_exactly_what_its_merged_weights_serve_and_a_swap_repl
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, headers=srv.headers, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == name, r.text
 
-        # Replaced in place under the same name: the next requests (the prompt the first adapter's KV is cached for,
-        # several times) get the new adapter, and the cache serves them the new adapter's KV.
-        r = load_adapter(srv, name, a2, version="a2")
+        # Replaced in place under the same name while 8 requests naming it are mid-generation: they all finish (on the
+        # new adapter from the swap on); the next requests (the prompt the first adapter's KV is cached for, several
+        # times) get the new adapter, and the cache serves them the new adapter's KV.
+        async def replace_with_requests_in_flight() -> tuple[httpx.Response, list[httpx.Response]]:
+            params = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True}
+            body = {"model": name, "token_ids": srv.prompt_ids, "sampling_params": params}
+            async with httpx.AsyncClient(timeout=300, headers=srv.headers) as client:
+                requests = [
+                    asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body)) for _ in range(8)
+                ]
+                stream = await stream_started(client, srv, 200)
+                body = {"lora_name": name, "lora_path": str(a2), "version": "a2"}
+                swap = await client.post(f"{srv.url}/load_lora_adapter", json=body)
+                await stream
+                return swap, await asyncio.gather(*requests)
+
+        r, in_flight = asyncio.run(replace_with_requests_in_flight())
         assert r.status_code == 200 and r.json()["version"] == "a2", r.text
+        for response in in_flight:
+            assert response.status_code == 200, response.text
+            assert len(response.json()["choices"][0]["token_ids"]) == 200
         hits = prefix_cache_hits(srv)
         second = check_adapter(merged_2)
         assert second["greedy"]["ids"] != first["greedy"]["ids"]
