@@ -362,6 +362,7 @@ def test_vllm_args_carry_our_fields_and_the_rl_essentials(tmp_path):
     assert pairs["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in args
     assert pairs["--worker-extension-cls"] == "prime_rl.inference.worker.WeightSwapExtension"
     assert "--enforce-eager" in args and "--enable-lora" in args and pairs["--max-lora-rank"] == "16"
+    assert pairs["--api-server-count"] == "1"  # adapter names live in the API server process: one of them
     assert cfg.weight_roots == [tmp_path]
 
 
