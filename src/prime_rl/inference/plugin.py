@@ -1,13 +1,17 @@
-"""vLLM endpoint plugin: admin routes to swap weights in place, the generate-route logprob fix, and the
-503 gate for weights that failed to load.
+"""vLLM endpoint plugin: admin routes to swap weights in place and to load LoRA adapters, the generate-route
+logprob fix, and the 503 gate for weights that failed to load.
 
 Loaded by vLLM's API server when `VLLM_PLUGINS` names `prime_rl` (the `inference` entry point sets
 it). Routes:
   POST /update_weights {"weight_dir": str, "version": str?} -> {"status", "version", "seconds"}
   POST /update_weights {"broadcast": {...}, "version": str?} -> {"status", "version", "step", "seconds"}
   POST /reload_weights (empty body or {})                   -> back to the base model
-  GET  /weights                                             -> {"version", "source", "workers"}
-All need the server's API key when one is configured. Status codes: see README "Swapping weights by hand".
+  POST /load_lora_adapter {"lora_name": str, "lora_path": str, "version": str?}
+                                                            -> {"status", "lora_name", "version", "seconds"}
+  POST /unload_lora_adapter {"lora_name": str}              -> {"status", "lora_name"}
+  GET  /weights                                             -> {"version", "source", "workers", "adapters"}
+All need the server's API key when one is configured. Status codes: see README "Swapping weights by hand" and
+"LoRA adapters".
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from fastapi.responses import JSONResponse
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from prime_rl.inference.adapters import ADAPTER_NAME_PATTERN, AdapterError, Adapters
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
 
 BASE_VERSION = "base"
@@ -84,6 +89,24 @@ class UpdateWeightsRequest(BaseModel):
 
 class ReloadWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class LoadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(pattern=ADAPTER_NAME_PATTERN)
+    """The name requests give as `model` to use the adapter; loading a loaded name replaces its adapter."""
+    lora_path: str
+    """Absolute path of a PEFT adapter directory under the allowed roots."""
+    version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
+    """Label of this adapter's weights in `GET /weights`; default: the directory's name."""
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(max_length=256)
+    """A loaded adapter's name."""
 
 
 class WeightsUnknownError(Exception):
@@ -324,14 +347,47 @@ async def reload_weights(request: Request) -> JSONResponse:
     return await _swap(swapper, swapper.base_dir, BASE_VERSION)
 
 
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> JSONResponse:
+    req = await _parse(request, LoadAdapterRequest)
+    if isinstance(req, JSONResponse):
+        return req
+    adapters: Adapters = request.app.state.prime_adapters
+    try:
+        version, seconds = await adapters.load(req.lora_name, req.lora_path, req.version)
+    except AdapterError as e:
+        return _error(e.status, e.message)
+    except Exception as e:
+        logger.exception(f"loading adapter {req.lora_name} failed")
+        return _error(500, f"loading adapter {req.lora_name} failed ({clip(e)})")
+    return JSONResponse({"status": "ok", "lora_name": req.lora_name, "version": version, "seconds": round(seconds, 4)})
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> JSONResponse:
+    req = await _parse(request, UnloadAdapterRequest)
+    if isinstance(req, JSONResponse):
+        return req
+    adapters: Adapters = request.app.state.prime_adapters
+    try:
+        await adapters.unload(req.lora_name)
+    except AdapterError as e:
+        return _error(e.status, e.message)
+    return JSONResponse({"status": "ok", "lora_name": req.lora_name})
+
+
 @router.get("/weights")
 async def weights(request: Request) -> JSONResponse:
-    """What is served: its version, where it came from, and how many workers a broadcast group needs for us."""
+    """What is served: its version, where it came from, how many workers a broadcast group needs for us, and the
+    version of each loaded adapter."""
     if not _authorized(request):
         return _error(401, "missing or wrong API key")
     swapper: WeightSwapper = request.app.state.prime_swapper
     source = None if swapper.unknown else (str(swapper.current_dir) if swapper.current_dir else "broadcast")
-    return JSONResponse({"version": swapper.version, "source": source, "workers": swapper.workers})
+    adapters: Adapters = request.app.state.prime_adapters
+    return JSONResponse(
+        {"version": swapper.version, "source": source, "workers": swapper.workers, "adapters": adapters.versions()}
+    )
 
 
 class WeightsUnknownGate:
@@ -453,6 +509,8 @@ class PrimeRLEndpoints:
         roots = [Path(p) for p in getattr(args, "prime_weight_roots", [])]
         await warm_up(engine_client)
         state.prime_swapper = WeightSwapper(engine_client, base_dir, roots)
+        state.prime_adapters = Adapters(engine_client, state.openai_serving_models, roots, state.prime_swapper.expected)
+        await state.prime_adapters.init()
         # Tokens of the base policy are reported as version "base" (vLLM's default label is "default").
         await engine_client.update_weight_version(BASE_VERSION)
 

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     # Environment for vLLM, set before it reads its settings (and inherited by its engine processes).
     _enable_plugin()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
-    if config.lora is not None:
-        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    # Adapters are loaded through our /load_lora_adapter. VLLM_ALLOW_RUNTIME_LORA_UPDATING stays off: it would add
+    # vLLM's own /v1/load_lora_adapter, which loads any path or hub id without our root and shape checks.
 
     import uvloop
     from vllm.entrypoints.cli.serve import ServeSubcommand

@@ -44,18 +44,24 @@ def safetensors_specs(model_dir: Path) -> dict[str, TensorSpec]:
     """
     specs: dict[str, TensorSpec] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name in specs:
-                        raise WeightDirError(422, f"tensor {clip(name)} is stored twice (again in {file.name})")
-                    sliced = f.get_slice(name)
-                    specs[name] = TensorSpec(sliced.get_dtype(), tuple(sliced.get_shape()))
-        except WeightDirError:
-            raise
-        except Exception as e:  # safetensors raises several types for a corrupt or truncated file
-            raise WeightDirError(422, f"{clip(file)} is not a readable safetensors file: {clip(e)}") from None
+        for name, spec in file_specs(file).items():
+            if name in specs:
+                raise WeightDirError(422, f"tensor {clip(name)} is stored twice (again in {file.name})")
+            specs[name] = spec
     return specs
+
+
+def file_specs(file: Path) -> dict[str, TensorSpec]:
+    """Tensor name -> (dtype, shape) of one safetensors file (its header only); 422 if it is not readable."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            specs = {}
+            for name in f.keys():
+                sliced = f.get_slice(name)
+                specs[name] = TensorSpec(sliced.get_dtype(), tuple(sliced.get_shape()))
+            return specs
+    except Exception as e:  # safetensors raises several types for a corrupt or truncated file
+        raise WeightDirError(422, f"{clip(file)} is not a readable safetensors file: {clip(e)}") from None
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -75,35 +81,46 @@ def dtypes_compatible(got: str, expected: str) -> bool:
 
 
 def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, TensorSpec]) -> Path:
-    """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`.
-
-    The root check comes first so nothing about paths outside the allowed roots is revealed. A path the
-    file system cannot even look up (a component over NAME_MAX, a NUL byte, a symlink loop) is a 400, not
-    an exception escaping to a 500.
-    """
+    """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`."""
     shown = clip(weight_dir)
+    path = checked_dir(weight_dir, roots, "weight_dir")
     try:
-        path = Path(weight_dir)
-        if not path.is_absolute():
-            raise WeightDirError(400, f"weight_dir must be an absolute path, got {shown!r}")
-        if not is_under(path, roots):
-            allowed = ", ".join(str(r) for r in roots)
-            raise WeightDirError(403, f"weight_dir {shown} is outside the allowed roots ({allowed})")
-        if not path.exists():
-            raise WeightDirError(404, f"weight_dir {shown} does not exist")
-        if not path.is_dir():
-            raise WeightDirError(400, f"weight_dir {shown} is not a directory")
-        resolved = path.resolve()
-        specs = safetensors_specs(resolved)
-    except (OSError, ValueError, RuntimeError) as e:  # ENAMETOOLONG, "embedded null byte", "Symlink loop"
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise WeightDirError(400, f"weight_dir {shown} is not a usable path ({reason})") from None
+        specs = safetensors_specs(path)
+    except OSError as e:
+        raise WeightDirError(
+            400, f"weight_dir {shown} is not a usable path ({e.strerror or type(e).__name__})"
+        ) from None
     if not specs:
         raise WeightDirError(422, f"weight_dir {shown} holds no *.safetensors files")
     problem = spec_problem(specs, expected, "weight_dir")
     if problem is not None:
         raise WeightDirError(422, problem)
-    return resolved
+    return path
+
+
+def checked_dir(value: str, roots: list[Path], field: str) -> Path:
+    """`value` resolved, if it is an existing directory under one of `roots`; else `WeightDirError`.
+
+    The root check comes first so nothing about paths outside the allowed roots is revealed. A path the
+    file system cannot even look up (a component over NAME_MAX, a NUL byte, a symlink loop) is a 400, not
+    an exception escaping to a 500. `field` names the request field in messages.
+    """
+    shown = clip(value)
+    try:
+        path = Path(value)
+        if not path.is_absolute():
+            raise WeightDirError(400, f"{field} must be an absolute path, got {shown!r}")
+        if not is_under(path, roots):
+            allowed = ", ".join(str(r) for r in roots)
+            raise WeightDirError(403, f"{field} {shown} is outside the allowed roots ({allowed})")
+        if not path.exists():
+            raise WeightDirError(404, f"{field} {shown} does not exist")
+        if not path.is_dir():
+            raise WeightDirError(400, f"{field} {shown} is not a directory")
+        return path.resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # ENAMETOOLONG, "embedded null byte", "Symlink loop"
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise WeightDirError(400, f"{field} {shown} is not a usable path ({reason})") from None
 
 
 def spec_problem(specs: dict[str, TensorSpec], expected: dict[str, TensorSpec], what: str) -> str | None:

@@ -42,6 +42,18 @@ class WeightSwapExtension:
             raise
         return {"step": header.step}
 
+    def prime_lora_modules(self) -> list[str] | None:
+        """Layer names (last path component, e.g. `q_proj`) vLLM applies LoRA to in the served model, as its adapter
+        loader expects them (packed layers such as `qkv_proj` expanded); None without LoRA."""
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            return None
+        adapters = manager._adapter_manager
+        expected = set()
+        for module in adapters.supported_lora_modules:
+            expected.update(adapters.packed_modules_mapping.get(module, [module]))
+        return sorted(expected)
+
     def _prime_group(self, spec: dict):
         """The group of `spec`'s session and generation: joined once, kept while the membership stays the same."""
         from prime_rl.weight_broadcast import connect_store, join_group

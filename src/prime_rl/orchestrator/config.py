@@ -249,6 +249,12 @@ class OrchestratorConfig(EntrypointConfig):
         # The trainer scores every sampled token with the full softmax at the sampling temperature.
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for training: greedy tokens have no usable logprobs")
+        if self.adapter is not None and self.weight_broadcast.in_memory:
+            raise ValueError(
+                f"weight_broadcast.type = {self.weight_broadcast.type!r} with [adapter]: adapters reach the inference "
+                "servers through the filesystem (broadcasts/step_n/, loaded with /load_lora_adapter); use "
+                "weight_broadcast.type = 'filesystem'"
+            )
         if self.sampling.top_p < 1:
             raise ValueError(
                 f"sampling.top_p = {self.sampling.top_p}: training samples from the full distribution (top_p = 1); "

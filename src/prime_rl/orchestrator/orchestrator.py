@@ -229,7 +229,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         BroadcastClient(config.weight_broadcast, config.stall_timeout) if config.weight_broadcast.in_memory else None
     )
     client = config.client
-    servers = InferenceServers(client.base_url, client.api_key_var, client.timeout, output_dir, broadcast)
+    adapter = config.adapter.name if config.adapter is not None else None
+    servers = InferenceServers(client.base_url, client.api_key_var, client.timeout, output_dir, broadcast, adapter)
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
     lag = LoopLagMonitor()
     lag_task = asyncio.create_task(lag.run())

@@ -12,7 +12,9 @@ the batch being filled itself needs a newer policy, the scheduler waits for the 
 policy than required.
 
 A group's version is the oldest policy that produced any of its tokens: vLLM's per-token versions where it
-reports them, else the policy served when the group started. Finished groups that are too old for the batch
+reports them, else the policy served when the group started (always in adapter mode, where vLLM labels tokens with
+the base weights' version). Its requests name the model of the policy it started on: in adapter mode the base model
+for step 0, the run's adapter after. Finished groups that are too old for the batch
 they would land in (longer than expected in flight) are dropped, as are groups spanning more than
 `max_off_policy_steps` updates.
 
@@ -276,7 +278,12 @@ class Scheduler:
         self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
         request = RunGroup(
-            id=group.id, env=group.env, task=group.task, n=self.config.rollouts_per_example, base_url=group.url
+            id=group.id,
+            env=group.env,
+            task=group.task,
+            n=self.config.rollouts_per_example,
+            base_url=group.url,
+            model=self.servers.model_name(group.start_version, self.config.model.api_name),
         )
         await self.workers.submit(request)
 

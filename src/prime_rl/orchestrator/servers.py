@@ -6,6 +6,11 @@ All servers always serve the same policy: a swap goes to every server and comple
 orchestrator's `version` moves. A policy comes from `broadcasts/step_n/` (the base model for step 0), or, with an
 in-memory broadcast, straight from the trainer to every server at once (`broadcast.py`); a server that restarted
 then rejoins at a transfer of the trainer's current policy to all servers, unless its policy is on disk.
+
+Adapter mode (`[adapter]`): the policy is a LoRA adapter of the served base model, and several runs may share the
+servers, each with its own adapter name. Step n >= 1 is `/load_lora_adapter` of `broadcasts/step_n/` under that name
+(replacing the previous step's adapter in place); step 0 is the base model, and our adapter is unloaded. The base
+weights are never touched: no `/update_weights` or `/reload_weights`, which would change every run's policy.
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ class InferenceServers:
         timeout: float,
         output_dir: Path,
         broadcast: BroadcastClient | None = None,
+        adapter: str | None = None,
     ):
         self.urls = list(base_urls)
         self.broadcast = broadcast
         """Set for an in-memory weight broadcast; None: every policy is read from `broadcasts/`."""
+        if adapter is not None and broadcast is not None:
+            raise ValueError("adapters are loaded from broadcasts/ only, not by an in-memory broadcast")
+        self.adapter = adapter
+        """Adapter mode: the name our policies (steps >= 1) are loaded under; None: policies are full weights."""
         self.workers: dict[str, int] = {}
         """Workers per server (members of a broadcast group), asked once per server life."""
         key = os.environ.get(api_key_var)
@@ -89,6 +99,12 @@ class InferenceServers:
         """An admin POST. A 4xx (bad weights, wrong key) raises `ServerError`: retrying cannot help. A dropped
         connection or a 5xx (the server died or failed mid-load) raises `httpx.HTTPError`: recoverable."""
         response = await self.admin[url].post(route, json=body)
+        self._check(url, response, what)
+        return response.json()
+
+    @staticmethod
+    def _check(url: str, response: httpx.Response, what: str) -> None:
+        """Raise for a reply other than 200, as `_post` says."""
         if response.status_code >= 500:
             raise httpx.HTTPStatusError(
                 f"{url}: {what} failed ({response.status_code}): {response.text[:500]}",
@@ -97,16 +113,35 @@ class InferenceServers:
             )
         if response.status_code != 200:
             raise ServerError(f"{url}: {what} failed ({response.status_code}): {response.text[:500]}")
-        return response.json()
 
     async def _load_on(self, url: str, step: int) -> float:
         """Load `pi_step` on one server from disk (step 0: its base model)."""
+        if self.adapter is not None:
+            return await self._load_adapter_on(url, step)
         if step == 0:
             reply = await self._post(url, "/reload_weights", {}, "loading policy step 0")
         else:
             body = {"weight_dir": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
             reply = await self._post(url, "/update_weights", body, f"loading policy step {step}")
         return float(reply.get("seconds", 0.0))
+
+    async def _load_adapter_on(self, url: str, step: int) -> float:
+        """Adapter mode: serve `pi_step` under our adapter name (step 0: requests use the base model, and our adapter,
+        perhaps left by an earlier run, is unloaded; not loaded is fine)."""
+        if step == 0:
+            body = {"lora_name": self.adapter}
+            response = await self.admin[url].post("/unload_lora_adapter", json=body)
+            if response.status_code == 404:
+                return 0.0
+            self._check(url, response, f"unloading adapter {self.adapter}")
+            return 0.0
+        body = {"lora_name": self.adapter, "lora_path": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
+        reply = await self._post(url, "/load_lora_adapter", body, f"loading adapter {self.adapter} step {step}")
+        return float(reply.get("seconds", 0.0))
+
+    def model_name(self, step: int, base: str) -> str:
+        """What requests name as `model` to be served `pi_step`: our adapter from step 1 on, else the base model."""
+        return self.adapter if self.adapter is not None and step > 0 else base
 
     def _from_trainer(self, step: int) -> bool:
         """Whether `pi_step` (or newer) comes by broadcast: the trainer holds it and it is not only on disk."""

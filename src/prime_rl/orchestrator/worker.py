@@ -9,7 +9,9 @@ boundary (ZeroMQ DEALER -> the orchestrator's ROUTER).
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
 drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
-turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`.
+turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`. In adapter mode they are not used:
+vLLM labels tokens with the base weights' version whichever adapter sampled them, so the scheduler counts the
+group at the policy it was started on.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class RunGroup(msgspec.Struct, tag=True):
     """The task's `TaskData`, JSON-dumped; the worker rebuilds the task from it (the orchestrator owns the taskset)."""
     n: int
     base_url: str
+    model: str | None = None
+    """The `model` the group's requests name: the policy it was started on (in adapter mode, the adapter from step 1
+    on); None: the config's `model.api_name`."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -234,15 +239,23 @@ def untrainable_sampling(sampling) -> str | None:
 
 
 def rollout_result(
-    trace, seconds: float, keep_messages: bool = False, chat_api: bool = False, training: bool = False
+    trace,
+    seconds: float,
+    keep_messages: bool = False,
+    chat_api: bool = False,
+    training: bool = False,
+    token_versions: bool = True,
 ) -> RolloutResult:
     """One trace of the policy -> what the orchestrator needs: reward, samples, error state, a little text.
 
     A trace that sampled no tokens (a seat that never had to act, or any trace on a chat-completions endpoint,
     which returns no token ids) has no samples; that is no error. `training`: refuse traces whose seat sampled
-    from another distribution than the trainer scores."""
+    from another distribution than the trainer scores. `token_versions`: take vLLM's per-token versions (False:
+    every sampled token's version is unknown, and the group counts at its start version)."""
     error, retryable = _error_of(trace)
     versions = _captured.pop(trace.id, {})
+    if not token_versions:
+        versions = {}
     sampling = getattr(trace.agent.config, "sampling", None)
     if error is None and training:
         error = untrainable_sampling(sampling)
@@ -334,6 +347,8 @@ class Worker:
         self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
         self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
         self.result_options = {"keep_messages": keep_messages, "chat_api": chat_api, "training": training}
+        if getattr(config, "adapter", None) is not None:
+            self.result_options["token_versions"] = False  # vLLM labels adapter tokens with the base's version
         self.loop_lag: LoopLagMonitor | None = None
         """Set by a worker process that watches its event loop; its worst lag goes back with each group."""
 
@@ -345,9 +360,8 @@ class Worker:
     async def run_group(self, request: RunGroup) -> GroupDone:
         env = self.envs[request.env]
         task = self.build_task(request.env, request.task)
-        ctx = self.vf.ModelContext(
-            model=self.config.model.api_name, client=self.clients[request.base_url], sampling=self.sampling
-        )
+        model = request.model or self.config.model.api_name
+        ctx = self.vf.ModelContext(model=model, client=self.clients[request.base_url], sampling=self.sampling)
 
         async def one(index: int) -> list[RolloutResult]:
             start = time.perf_counter()

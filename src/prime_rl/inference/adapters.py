@@ -1,0 +1,264 @@
+"""LoRA adapters on the server: the checks of an adapter directory, and loading, replacing and unloading adapters.
+
+An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`, tensors
+`base_model.model.<layer>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]). The checks read the config and the
+safetensors header only, so a bad adapter is refused (422) before the engine sees it: vLLM itself checks neither
+tensor shapes against the model nor, before loading, whether the model has the layers.
+
+Loading a name that is already loaded replaces the adapter in place (same vLLM adapter id): requests sent afterwards
+get the new weights, requests in flight continue on them. The prefix cache is keyed by (name, path), so a new path
+never hits KV computed by an earlier adapter; loading a path this name had before resets the prefix cache (its blocks
+may hold KV of later adapters, computed for requests that were in flight across a replacement).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from prime_rl.inference.weights import (
+    FLOAT_DTYPES,
+    TensorSpec,
+    WeightDirError,
+    checked_dir,
+    clip,
+    file_specs,
+    names,
+)
+
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""Names an adapter may be loaded under (the orchestrator's `adapter.name` has the same rule)."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+UNSUPPORTED_FEATURES = ("use_dora", "lora_bias", "modules_to_save", "layer_replication", "alora_invocation_tokens")
+"""PEFT config keys that change what the adapter computes and that vLLM does not implement (a true value: refused)."""
+
+
+class AdapterError(Exception):
+    """An adapter request refused; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def check_adapter_dir(
+    lora_path: str, roots: list[Path], base: dict[str, TensorSpec], max_rank: int, modules: set[str] | None
+) -> Path:
+    """Validate a `/load_lora_adapter` target against the served model; returns its resolved path.
+
+    `base`: the served model's tensors; `max_rank`: the server's `max_lora_rank`; `modules`: the layer names vLLM
+    applies LoRA to in this model (None: not known, not checked). Raises `WeightDirError` (400/403/404 for the path,
+    422 for the contents)."""
+    path = checked_dir(lora_path, roots, "lora_path")
+    shown = clip(lora_path)
+    config = read_adapter_config(path / ADAPTER_CONFIG, shown)
+    rank = config_rank(config, max_rank)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise WeightDirError(422, f"lora_path {shown} has no {ADAPTER_WEIGHTS}")
+    problem = tensor_problem(
+        file_specs(weights), base, max_rank, modules, rank if not config.get("rank_pattern") else None
+    )
+    if problem is not None:
+        raise WeightDirError(422, f"lora_path {shown}: {problem}")
+    return path
+
+
+def read_adapter_config(file: Path, shown: str) -> dict:
+    if not file.is_file():
+        raise WeightDirError(422, f"lora_path {shown} has no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+    try:
+        config = json.loads(file.read_bytes())
+    except (ValueError, RecursionError, OSError) as e:
+        raise WeightDirError(422, f"lora_path {shown}: {ADAPTER_CONFIG} is not readable JSON ({clip(e)})") from None
+    if not isinstance(config, dict):
+        raise WeightDirError(422, f"lora_path {shown}: {ADAPTER_CONFIG} is not a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise WeightDirError(422, f"lora_path {shown}: peft_type is {clip(config.get('peft_type'))!r}, not 'LORA'")
+    unsupported = [key for key in UNSUPPORTED_FEATURES if config.get(key)]
+    if config.get("bias", "none") != "none":
+        unsupported.append(f"bias={clip(config['bias'])!r}")
+    if unsupported:
+        raise WeightDirError(422, f"lora_path {shown}: vLLM does not support the adapter's {', '.join(unsupported)}")
+    return config
+
+
+def config_rank(config: dict, max_rank: int) -> int:
+    """The adapter's rank `r`, checked against the server's `max_lora_rank` (so are the ranks of `rank_pattern`)."""
+    rank = config.get("r")
+    pattern = config.get("rank_pattern") or {}
+    ranks = [rank, *(pattern.values() if isinstance(pattern, dict) else [None])]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise WeightDirError(422, f"{ADAPTER_CONFIG}: r (and rank_pattern's ranks) must be positive integers")
+    if max(ranks) > max_rank:
+        raise WeightDirError(
+            422, f"adapter rank {max(ranks)} exceeds this server's max_lora_rank {max_rank} (inference [lora])"
+        )
+    return rank
+
+
+def tensor_problem(
+    specs: dict[str, TensorSpec],
+    base: dict[str, TensorSpec],
+    max_rank: int,
+    modules: set[str] | None,
+    rank: int | None,
+) -> str | None:
+    """Why the adapter's tensors (`specs`) cannot apply to the served model (`base`), or None. `rank`: the rank every
+    layer must have (None when `rank_pattern` gives layers their own)."""
+    if not specs:
+        return f"{ADAPTER_WEIGHTS} holds no tensors"
+    pairs: dict[str, dict[str, TensorSpec]] = {}
+    strange = []
+    for name, spec in specs.items():
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if not name.startswith(PEFT_PREFIX) or suffix is None:
+            strange.append(name)
+            continue
+        layer = name[len(PEFT_PREFIX) : -len(suffix)]
+        pairs.setdefault(layer, {})[suffix.split(".")[1]] = spec
+    if strange:
+        return (
+            f"tensors that are not `{PEFT_PREFIX}<layer>.lora_A/lora_B.weight` (embedding LoRA, biases and "
+            f"modules_to_save are not supported): {names(sorted(strange))}"
+        )
+    missing = sorted(layer for layer in pairs if f"{layer}.weight" not in base)
+    if missing:
+        return f"the served model has no layer {names(missing)}"
+    if modules is not None:
+        refused = sorted(layer for layer in pairs if layer.rsplit(".", 1)[-1] not in modules)
+        if refused:
+            return f"vLLM applies LoRA only to {', '.join(sorted(modules))} in this model, not to {names(refused)}"
+    wrong = []
+    for layer, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            wrong.append(f"{layer}: lora_A and lora_B must both be given")
+            continue
+        weight, a, b = base[f"{layer}.weight"], pair["lora_A"], pair["lora_B"]
+        if len(weight.shape) != 2:
+            wrong.append(f"{layer}: its weight has shape {weight.shape}, not [out, in]")
+            continue
+        out, inner = weight.shape
+        if (
+            len(a.shape) != 2
+            or len(b.shape) != 2
+            or a.shape[1] != inner
+            or b.shape[0] != out
+            or a.shape[0] != b.shape[1]
+        ):
+            wrong.append(f"{layer}: lora_A {a.shape}, lora_B {b.shape} do not fit its weight [{out}, {inner}]")
+        elif a.shape[0] > max_rank or (rank is not None and a.shape[0] != rank):
+            wrong.append(f"{layer}: rank {a.shape[0]} (adapter_config r {rank}, server max_lora_rank {max_rank})")
+        elif a.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:
+            wrong.append(f"{layer}: dtypes {a.dtype}, {b.dtype} are not floats")
+    if wrong:
+        return f"tensors that do not fit the served model: {names(wrong)}"
+    return None
+
+
+class Adapters:
+    """The adapters this server serves, by name; shares vLLM's name table (`OpenAIServingModels.lora_requests`), which
+    the OpenAI and generate routes look the requested `model` up in.
+
+    Unloading removes the name only: the engine keeps its copy in its LRU cache (vLLM's own unload does the same), so
+    requests still in flight finish on it instead of re-reading a directory that may be gone."""
+
+    def __init__(
+        self, engine_client: Any, models: Any, roots: list[Path], base: dict[str, TensorSpec], request_cls: Any = None
+    ):
+        self.engine, self.models, self.roots, self.base = engine_client, models, roots, base
+        if request_cls is None:
+            from vllm.lora.request import LoRARequest as request_cls
+        self.request_cls = request_cls
+        """vLLM's `LoRARequest` (tests of the state machine pass a light stand-in: importing vLLM takes seconds)."""
+        self.config = engine_client.vllm_config.lora_config
+        """vLLM's LoRA config; None when the server was started without LoRA."""
+        self.loaded: dict[str, str] = {}
+        """Name -> version label of the adapters loaded through `load` (reported by `GET /weights`)."""
+        self.paths: dict[str, set[str]] = {}
+        """Every path each name was loaded from in this server's life (a repeat resets the prefix cache)."""
+        self.modules: set[str] | None = None
+        """Layer names vLLM applies LoRA to in the served model (asked from a worker once); None: unknown."""
+        self.lock = asyncio.Lock()
+
+    async def init(self) -> None:
+        if self.config is None:
+            return
+        try:
+            found = (await self.engine.collective_rpc("prime_lora_modules"))[0]
+            self.modules = set(found) if found else None
+        except Exception as e:  # the check is then left to vLLM's loader (a 500 instead of a 422)
+            logger.warning(f"could not ask a worker which layers take LoRA: {e}")
+
+    def versions(self) -> dict[str, str]:
+        return dict(sorted(self.loaded.items()))
+
+    def _require_enabled(self) -> None:
+        if self.config is None:
+            raise AdapterError(409, "LoRA adapters are not enabled on this server: start it with [lora] (`--lora`)")
+
+    async def load(self, name: str, lora_path: str, version: str | None) -> tuple[str, float]:
+        """Serve the adapter at `lora_path` under `name` (replacing the one loaded under it); returns its version label
+        and the seconds the load took."""
+        self._require_enabled()
+        if self.models.is_base_model(name):
+            raise AdapterError(422, f"lora_name {clip(name)!r} is the served base model's name")
+        try:
+            path = await asyncio.to_thread(
+                check_adapter_dir, lora_path, self.roots, self.base, self.config.max_lora_rank, self.modules
+            )
+        except WeightDirError as e:
+            raise AdapterError(e.status, e.message) from None
+        version = version or path.name
+        async with self.lock:
+            current = self.models.lora_requests.get(name)
+            capacity = self.config.max_cpu_loras or self.config.max_loras
+            if current is None and len(self.models.lora_requests) >= capacity:
+                raise AdapterError(
+                    409,
+                    f"this server holds {len(self.models.lora_requests)} adapters, as many as its cache "
+                    f"(vLLM max_cpu_loras, default max_loras) keeps; unload one or raise the limit",
+                )
+            start = time.perf_counter()
+            request = await self._add(name, str(path), current)
+            if str(path) in self.paths.get(name, ()):
+                # KV cached under this (name, path) may have been computed by a later adapter of the name.
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.paths.setdefault(name, set()).add(str(path))
+            self.models.lora_requests[name] = request
+            self.loaded[name] = version
+            seconds = time.perf_counter() - start
+        logger.info(f"serving adapter {name} {version} from {path} (load took {seconds:.3f}s)")
+        return version, seconds
+
+    async def _add(self, name: str, path: str, current: Any) -> Any:
+        """Load into the engine (replacing `current`, keeping its id); returns the request to store. On failure vLLM
+        keeps the adapter it had (it loads the new one before dropping the old)."""
+        lora_id = current.lora_int_id if current is not None else self.models.lora_id_counter.inc(1)
+        try:
+            await self.engine.add_lora(self.request_cls(name, lora_id, path, load_inplace=True))
+        except Exception as e:
+            still = f"still serving {self.loaded[name]}" if name in self.loaded else "nothing loaded"
+            raise AdapterError(
+                500, f"loading adapter {name} from {path} failed in vLLM ({clip(e, 500)}); {still}"
+            ) from e
+        # Stored without load_inplace: a request carrying it would make the engine read the directory again.
+        return self.request_cls(name, lora_id, path)
+
+    async def unload(self, name: str) -> None:
+        self._require_enabled()
+        async with self.lock:
+            if name not in self.models.lora_requests:
+                raise AdapterError(404, f"no adapter named {clip(name)!r} is loaded")
+            del self.models.lora_requests[name]
+            self.loaded.pop(name, None)
+        logger.info(f"unloaded adapter {name}")

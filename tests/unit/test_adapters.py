@@ -1,0 +1,183 @@
+"""LoRA adapters on the server without an engine: the adapter-directory checks, and the load/unload routes' state
+machine and replies (the real engine: tests/integration/test_inference_server.py)."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from fake_engine import BASE_NAME, LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
+
+from prime_rl.inference.adapters import check_adapter_dir
+from prime_rl.inference.plugin import MAX_BODY_BYTES
+from prime_rl.inference.weights import TensorSpec, WeightDirError
+
+BASE = {name: TensorSpec("BF16", shape) for name, shape in LORA_SHAPES.items()}
+MODULES = {"q_proj", "o_proj"}
+
+
+def refusal(path, roots, modules=MODULES) -> WeightDirError:
+    with pytest.raises(WeightDirError) as e:
+        check_adapter_dir(str(path), roots, BASE, 8, modules)
+    assert e.value.message and len(e.value.message) < 1000
+    return e.value
+
+
+def test_adapter_dir_checks(tmp_path):
+    root = tmp_path / "run"
+    both = {**lora_tensors(), **lora_tensors("layers.0.o_proj", out=4, inner=6)}
+    good = write_adapter(root / "good", both)
+    assert check_adapter_dir(str(good), [root], BASE, 8, MODULES) == good.resolve()
+    assert check_adapter_dir(str(good), [root], BASE, 8, None) == good.resolve()  # layer names unknown: not checked
+
+    # The path: the same rules as a weight directory.
+    outside = write_adapter(tmp_path / "outside", lora_tensors())
+    assert refusal(outside, [root]).status == 403
+    assert refusal(root / "missing", [root]).status == 404
+    assert refusal(good / "adapter_config.json", [root]).status == 400
+    assert refusal("relative/x", [root]).status == 400
+
+    cases = {  # what a 422 must name
+        "rank 16 exceeds this server's max_lora_rank 8": write_adapter(root / "r16", lora_tensors(rank=16), rank=16),
+        "rank 9 exceeds": write_adapter(root / "pattern", lora_tensors(), rank_pattern={"q_proj": 9}),
+        "has no layer layers.5.q_proj": write_adapter(root / "lacks", lora_tensors("layers.5.q_proj")),
+        "lora_A (2, 5), lora_B (6, 2) do not fit its weight [6, 4]": write_adapter(
+            root / "shape", lora_tensors(inner=5)
+        ),
+        "lora_A and lora_B must both be given": write_adapter(
+            root / "half", {k: v for k, v in lora_tensors().items() if "lora_A" in k}
+        ),
+        "rank 4 (adapter_config r 2": write_adapter(root / "rank_mismatch", lora_tensors(rank=4), rank=2),
+        "not `base_model.model.<layer>.lora_A/lora_B.weight`": write_adapter(
+            root / "embedding", {**lora_tensors(), "base_model.model.embed.lora_embedding_A": torch.zeros(2, 10)}
+        ),
+        "are not floats": write_adapter(root / "ints", {k: v.to(torch.int32) for k, v in lora_tensors().items()}),
+        "peft_type is 'IA3'": write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
+        "does not support the adapter's use_dora": write_adapter(root / "dora", lora_tensors(), use_dora=True),
+        "bias='all'": write_adapter(root / "bias", lora_tensors(), bias="all"),
+    }
+    for needle, path in cases.items():
+        e = refusal(path, [root])
+        assert e.status == 422 and needle in e.message, (needle, e.message)
+    # A linear layer the model has but vLLM does not apply LoRA to (here: o_proj left out of the modules).
+    e = refusal(good, [root], modules={"q_proj"})
+    assert e.status == 422 and "applies LoRA only to q_proj" in e.message and "layers.0.o_proj" in e.message
+    # Missing or broken files.
+    (root / "no_config").mkdir()
+    assert "has no adapter_config.json" in refusal(root / "no_config", [root]).message
+    no_weights = write_adapter(root / "no_weights", lora_tensors())
+    (no_weights / "adapter_model.safetensors").unlink()
+    assert "has no adapter_model.safetensors" in refusal(no_weights, [root]).message
+    bad_json = write_adapter(root / "bad_json", lora_tensors())
+    (bad_json / "adapter_config.json").write_text("{not json")
+    assert "not readable JSON" in refusal(bad_json, [root]).message
+    corrupt = write_adapter(root / "corrupt", lora_tensors())
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}")
+    assert "not a readable safetensors file" in refusal(corrupt, [root]).message
+    for status in [refusal(p, [root]).status for p in (root / "no_config", no_weights, bad_json, corrupt)]:
+        assert status == 422
+
+
+def adapter_client(tmp_path, engine=None, api_key=None):
+    client, swapper = admin_app(tmp_path, engine, api_key, shapes=LORA_SHAPES)
+    adapters = client.app.state.prime_adapters
+    asyncio.run(adapters.init())  # asks the (fake) worker which layers take LoRA
+    return client, adapters
+
+
+def test_load_replace_and_unload(tmp_path):
+    engine = FakeEngine()
+    client, adapters = adapter_client(tmp_path, engine)
+    assert adapters.modules == MODULES
+    step_1 = write_adapter(tmp_path / "a" / "step_1", lora_tensors())
+    step_2 = write_adapter(tmp_path / "a" / "step_2", lora_tensors(fill=0.25))
+    table = adapters.models.lora_requests
+
+    r = client.post("/load_lora_adapter", json={"lora_name": "run-a", "lora_path": str(step_1)})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and r.json()["version"] == "step_1" and r.json()["lora_name"] == "run-a"
+    # The engine loaded it in place; the name table holds a request that does not re-read the directory each time.
+    assert engine.loras[-1].load_inplace and engine.loras[-1].lora_path == str(step_1)
+    first = table["run-a"]
+    assert not first.load_inplace and first.lora_path == str(step_1)
+    assert client.get("/weights").json()["adapters"] == {"run-a": "step_1"}
+
+    # Replacing: same engine id, new path and label, no prefix-cache reset (a new path has its own cache keys).
+    r = client.post("/load_lora_adapter", json={"lora_name": "run-a", "lora_path": str(step_2), "version": "v2"})
+    assert r.status_code == 200 and r.json()["version"] == "v2"
+    assert table["run-a"].lora_int_id == first.lora_int_id and table["run-a"].lora_path == str(step_2)
+    assert engine.cache_resets == 0
+    # Back to a path this name had: its cached KV may come from a later adapter, so the cache is reset.
+    assert client.post("/load_lora_adapter", json={"lora_name": "run-a", "lora_path": str(step_1)}).status_code == 200
+    assert engine.cache_resets == 1
+
+    # A second name gets its own id; the server holds as many names as its cache keeps (here 2).
+    b = write_adapter(tmp_path / "b" / "step_1", lora_tensors())
+    assert client.post("/load_lora_adapter", json={"lora_name": "run-b", "lora_path": str(b)}).status_code == 200
+    assert table["run-b"].lora_int_id != table["run-a"].lora_int_id
+    r = client.post("/load_lora_adapter", json={"lora_name": "run-c", "lora_path": str(b)})
+    assert r.status_code == 409 and "holds 2 adapters" in r.json()["error"]["message"]
+    assert client.get("/weights").json()["adapters"] == {"run-a": "step_1", "run-b": "step_1"}
+
+    # The engine failing: 500, and the adapter it had is still what the name serves.
+    engine.lora_failure = RuntimeError("out of memory")
+    r = client.post("/load_lora_adapter", json={"lora_name": "run-a", "lora_path": str(step_2)})
+    assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
+    assert "still serving step_1" in r.json()["error"]["message"] and table["run-a"].lora_path == str(step_1)
+    engine.lora_failure = None
+
+    # Unloading: the name is gone (requests naming it get vLLM's 404), a second unload is a 404 here.
+    assert client.post("/unload_lora_adapter", json={"lora_name": "run-a"}).json() == {
+        "status": "ok",
+        "lora_name": "run-a",
+    }
+    assert "run-a" not in table and client.get("/weights").json()["adapters"] == {"run-b": "step_1"}
+    r = client.post("/unload_lora_adapter", json={"lora_name": "run-a"})
+    assert r.status_code == 404 and "no adapter named 'run-a'" in r.json()["error"]["message"]
+    # No full-weight swap happened at any point.
+    assert not [c for c in engine.calls if c[0] in ("prime_load_weights", "version")]
+
+
+def test_bad_adapter_requests_get_documented_4xx_and_change_nothing(tmp_path):
+    engine = FakeEngine()
+    client, adapters = adapter_client(tmp_path, engine, api_key="k")
+    good = write_adapter(tmp_path / "good", lora_tensors())
+    r16 = write_adapter(tmp_path / "r16", lora_tensors(rank=16), rank=16)
+    key = {"Authorization": "Bearer k"}
+    cases = [
+        ({"lora_name": "a", "lora_path": str(good)}, {}, 401),
+        (b"x" * (MAX_BODY_BYTES + 1), key, 413),
+        (b"{not json", key, 400),
+        (b"[]", key, 400),
+        ({"lora_name": "a"}, key, 422),
+        ({"lora_name": "a", "lora_path": str(good), "load_inplace": True}, key, 422),  # unknown field
+        ({"lora_name": "../a", "lora_path": str(good)}, key, 422),  # not a name
+        ({"lora_name": "a" * 65, "lora_path": str(good)}, key, 422),
+        ({"lora_name": "a", "lora_path": str(good), "version": "v" * 257}, key, 422),
+        ({"lora_name": BASE_NAME, "lora_path": str(good)}, key, 422),  # the base model's name
+        ({"lora_name": "a", "lora_path": "/etc"}, key, 403),
+        ({"lora_name": "a", "lora_path": str(tmp_path / "missing")}, key, 404),
+        ({"lora_name": "a", "lora_path": "rel/x"}, key, 400),
+        ({"lora_name": "a", "lora_path": str(r16)}, key, 422),
+    ]
+    for body, headers, status in cases:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = client.post("/load_lora_adapter", content=content, headers=headers)
+        assert r.status_code == status, (body if isinstance(body, dict) else body[:40], r.text[:300])
+        assert r.json()["error"]["code"] == status and len(r.content) < 1000
+    assert client.post("/unload_lora_adapter", json={"lora_name": "a"}, headers=key).status_code == 404
+    assert client.post("/unload_lora_adapter", json={"name": "a"}, headers=key).status_code == 422
+    assert client.post("/unload_lora_adapter", json={"lora_name": "a"}).status_code == 401
+    assert engine.loras == [] and adapters.models.lora_requests == {} and adapters.loaded == {}
+
+
+def test_a_server_without_lora_answers_409(tmp_path):
+    client, _ = adapter_client(tmp_path, FakeEngine(lora=False))
+    good = write_adapter(tmp_path / "good", lora_tensors())
+    for route, body in [
+        ("/load_lora_adapter", {"lora_name": "a", "lora_path": str(good)}),
+        ("/unload_lora_adapter", {"lora_name": "a"}),
+    ]:
+        r = client.post(route, json=body)
+        assert r.status_code == 409 and "not enabled on this server" in r.json()["error"]["message"], r.text
+    assert client.get("/weights").json()["adapters"] == {}
