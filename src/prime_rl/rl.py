@@ -28,10 +28,10 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from loguru import logger
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
 from prime_rl.config import (
     BaseConfig,
@@ -41,10 +41,18 @@ from prime_rl.config import (
     ModelConfig,
     WeightBroadcastConfig,
 )
-from prime_rl.config.loader import load_config, to_toml, write_resolved_config
-from prime_rl.inference.config import InferenceConfig
+from prime_rl.config.loader import (
+    deep_merge,
+    fill_discriminators,
+    load_config,
+    load_toml,
+    to_toml,
+    write_resolved_config,
+)
+from prime_rl.inference.config import VLLM_LORA_RANKS, InferenceConfig
+from prime_rl.inference.config import LoRAConfig as ServedLoRAConfig
 from prime_rl.orchestrator import ckpt as orchestrator_ckpt
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.config import AdapterConfig, OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.fs import write_atomic
@@ -56,6 +64,8 @@ from prime_rl.utils.net import free_port
 from prime_rl.utils.processes import Process, stop_all
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
+TRAINER_DONE_GRACE = 60.0
+"""Seconds a run's orchestrator may still run after the trainer finished (its last checkpoint, W&B)."""
 BIN = Path(sys.executable).parent
 ROLES = ("inference", "orchestrator", "trainer")
 # The multi-node variables of the system we are modelled on, read as the `PRIME_*` variables they stand for
@@ -124,6 +134,20 @@ class DeploymentConfig(BaseConfig):
         return set(self.roles) == set(ROLES) and self.trainer_nodes == 1
 
 
+class RunSpec(BaseConfig):
+    """One of several runs sharing the trainer and the inference servers (`[[runs]]`): an orchestrator of its own,
+    training its own LoRA adapter."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """The run's name: its adapter's name on the servers and its directory, `output_dir/run_<name>`."""
+
+    config: Path | None = None
+    """An orchestrator TOML for this run, over `[orchestrator]` (a path relative to the working directory)."""
+
+    orchestrator: dict[str, Any] = {}
+    """Orchestrator keys for this run, over `config` and `[orchestrator]` (e.g. `adapter.optim.lr = 1e-3`)."""
+
+
 class RLConfig(EntrypointConfig):
     trainer: TrainerConfig = TrainerConfig()
     """The trainer (`[trainer]`, or `--trainer @ t.toml`)."""
@@ -171,6 +195,10 @@ class RLConfig(EntrypointConfig):
 
     deployment: DeploymentConfig = DeploymentConfig()
     """Multi-host runs: the roles this host starts, trainer nodes, where the inference servers are."""
+
+    runs: list[RunSpec] = []
+    """Several runs in one LoRA trainer (`[[runs]]`, needs `[trainer.model.lora]`): one orchestrator each, on
+    `output_dir/run_<name>`, with `[orchestrator]` plus its own keys; `[orchestrator]` itself is not started."""
 
     bench: BenchConfig | None = None
     """A short real run of the whole system (`--bench` enables): `bench.steps` steps with real rollouts and weight
@@ -236,8 +264,58 @@ class RLConfig(EntrypointConfig):
             _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
         if self.bench is not None:
             self._bench()
+        if self.runs and trainer.model.lora is None:
+            raise ValueError("runs: each run trains a LoRA adapter of the shared base model; set [trainer.model.lora]")
+        if trainer.model.lora is not None:
+            self._lora()
         self._check_agreement()
         return self
+
+    def _lora(self) -> None:
+        """LoRA: every run's orchestrator trains an adapter, the trainer has a slot for each, inference serves them."""
+        trainer, inf, runs = self.trainer, self.inference, len(self.runs) or 1
+        if self.bench is not None:
+            raise ValueError("--bench measures full fine-tuning: leave trainer.model.lora off")
+        if self.runs:
+            names = [run.name for run in self.runs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"runs: names must differ, got {names}")
+            if "max_concurrent_runs" in trainer.model_fields_set and trainer.max_concurrent_runs < runs:
+                raise ValueError(f"trainer.max_concurrent_runs = {trainer.max_concurrent_runs} < {runs} runs")
+            trainer.max_concurrent_runs = max(trainer.max_concurrent_runs, runs)
+            self.run_orchestrators()  # every run's config is valid now, not when its orchestrator starts
+        elif self.orchestrator.adapter is None:
+            self.orchestrator.adapter = AdapterConfig(name="lora")
+        if inf is None:
+            return
+        rank = trainer.model.lora.rank
+        if inf.lora is None:
+            served_rank = min(r for r in VLLM_LORA_RANKS if r >= rank)  # the trainer refuses ranks vLLM cannot serve
+            inf.lora = ServedLoRAConfig(max_loras=max(runs, ServedLoRAConfig().max_loras), max_lora_rank=served_rank)
+        if inf.lora.max_loras < runs or inf.lora.max_lora_rank < rank:
+            raise ValueError(
+                f"inference.lora (max_loras {inf.lora.max_loras}, max_lora_rank {inf.lora.max_lora_rank}) cannot "
+                f"serve {runs} adapter(s) of rank {rank}"
+            )
+
+    def run_orchestrators(self) -> dict[str, OrchestratorConfig]:
+        """Each of `runs`' orchestrator configs: `[orchestrator]`, then its `config` file, then its own keys; its
+        adapter named after the run and its output dir `output_dir/run_<name>`."""
+        base = self.orchestrator.model_dump()
+        configs = {}
+        for i, run in enumerate(self.runs):
+            if "output_dir" in run.orchestrator:
+                raise ValueError(f"runs[{i}] ({run.name}): output_dir is output_dir/run_<name>; do not set it")
+            try:
+                data = deep_merge(base, load_toml(run.config)[0]) if run.config is not None else base
+                data = deep_merge(data, run.orchestrator)
+                data = deep_merge(
+                    data, {"output_dir": self.output_dir / f"run_{run.name}", "adapter": {"name": run.name}}
+                )
+                configs[run.name] = OrchestratorConfig.model_validate(fill_discriminators(OrchestratorConfig, data))
+            except (ValidationError, ValueError, OSError) as e:
+                raise ValueError(f"runs[{i}] ({run.name}): {e}") from None
+        return configs
 
     def _bench(self) -> None:
         """`--bench`: `bench.steps` steps of the real system, nothing kept for later (checkpoints, W&B)."""
@@ -261,8 +339,13 @@ class RLConfig(EntrypointConfig):
         return key.get_secret_value() if key is not None else None
 
     def _check_agreement(self) -> None:
-        """Fields no shared value was given for must still agree between the sections."""
-        trainer, orch, inf = self.trainer, self.orchestrator, self.inference
+        """Fields no shared value was given for must still agree between the sections (with `runs`: between the
+        trainer and every run, whose length, async level and checkpoints are its own)."""
+        if self.runs:
+            for orch in self.run_orchestrators().values():
+                self._check_orchestrator(orch, f"runs.{orch.adapter.name}")
+            return
+        trainer, orch = self.trainer, self.orchestrator
         if trainer.max_async_level != orch.max_async_level:
             raise ValueError(
                 f"trainer.max_async_level ({trainer.max_async_level}) != orchestrator.max_async_level "
@@ -273,9 +356,21 @@ class RLConfig(EntrypointConfig):
                 f"trainer.max_steps ({trainer.max_steps}) != orchestrator.max_steps ({orch.max_steps}); "
                 "set the shared `max_steps`"
             )
+        if (trainer.ckpt is None) != (orch.ckpt is None):
+            raise ValueError(
+                "checkpoints must be on for both trainer and orchestrator or neither; use the shared `ckpt`"
+            )
+        both = ("interval", "resume_step", "keep_last", "keep_interval")
+        if trainer.ckpt is not None and any(getattr(trainer.ckpt, k) != getattr(orch.ckpt, k) for k in both):
+            raise ValueError(f"trainer.ckpt and orchestrator.ckpt disagree on {', '.join(both)}; use the shared `ckpt`")
+        self._check_orchestrator(orch, "orchestrator")
+
+    def _check_orchestrator(self, orch: OrchestratorConfig, name: str) -> None:
+        """What one orchestrator must agree on with the trainer and the inference server."""
+        trainer, inf = self.trainer, self.inference
         if trainer.seq_len < orch.seq_len:
             raise ValueError(
-                f"trainer.seq_len ({trainer.seq_len}) < orchestrator.seq_len ({orch.seq_len}): the trainer would "
+                f"trainer.seq_len ({trainer.seq_len}) < {name}.seq_len ({orch.seq_len}): the trainer would "
                 "refuse the orchestrator's longest samples; set the shared `seq_len`"
             )
         if inf is not None and inf.model.name != trainer.model.name:
@@ -285,20 +380,13 @@ class RLConfig(EntrypointConfig):
             )
         if inf is not None and orch.model.api_name != inf.model.api_name:
             raise ValueError(
-                f"the orchestrator asks for model {orch.model.api_name!r}, inference serves {inf.model.api_name!r}; "
+                f"{name} asks for model {orch.model.api_name!r}, inference serves {inf.model.api_name!r}; "
                 "set the shared `model.name`"
             )
         if trainer.weight_broadcast != orch.weight_broadcast:
             raise ValueError(
-                "trainer.weight_broadcast and orchestrator.weight_broadcast disagree; use the shared `weight_broadcast`"
+                f"trainer.weight_broadcast and {name}.weight_broadcast disagree; use the shared `weight_broadcast`"
             )
-        if (trainer.ckpt is None) != (orch.ckpt is None):
-            raise ValueError(
-                "checkpoints must be on for both trainer and orchestrator or neither; use the shared `ckpt`"
-            )
-        both = ("interval", "resume_step", "keep_last", "keep_interval")
-        if trainer.ckpt is not None and any(getattr(trainer.ckpt, k) != getattr(orch.ckpt, k) for k in both):
-            raise ValueError(f"trainer.ckpt and orchestrator.ckpt disagree on {', '.join(both)}; use the shared `ckpt`")
 
 
 def _client_host(host: str) -> str:
@@ -347,35 +435,54 @@ def check_model_exists(name: str) -> None:
 
 def resolve_resume(config: RLConfig) -> int | None:
     """-1 -> the latest step both trainer and orchestrator checkpointed; N -> N, which both must have."""
-    from prime_rl.trainer.ckpt import complete_steps
-
     if config.trainer.ckpt is None or config.trainer.ckpt.resume_step is None:
         return None
-    out = config.output_dir
-    both = sorted(set(complete_steps(out)) & set(orchestrator_ckpt.saved_steps(out)))
-    requested = config.trainer.ckpt.resume_step
-    if requested == -1:
-        if not both:
-            fail(f"--ckpt.resume-step -1: no step has both a trainer and an orchestrator checkpoint in {out}")
-        step = both[-1]
-    elif requested in both:
-        step = requested
-    else:
-        fail(f"no complete trainer + orchestrator checkpoint for step {requested} in {out} (have {both})")
+    step = resume_step_in(config.output_dir, config.trainer.ckpt.resume_step)
     config.trainer.ckpt.resume_step = config.orchestrator.ckpt.resume_step = step
     return step
 
 
-def check_environments(config: RLConfig) -> None:
-    """Load every environment and check its prompts against seq_len, as the orchestrator will: a bad environment
-    config is reported now, not after a minute or two of vLLM start-up."""
+def resume_step_in(out: Path, requested: int) -> int:
+    """The step a run directory resumes from: its trainer and its orchestrator both checkpointed it."""
+    from prime_rl.trainer.ckpt import complete_steps
+
+    both = sorted(set(complete_steps(out)) & set(orchestrator_ckpt.saved_steps(out)))
+    if requested == -1:
+        if not both:
+            fail(f"--ckpt.resume-step -1: no step has both a trainer and an orchestrator checkpoint in {out}")
+        return both[-1]
+    if requested not in both:
+        fail(f"no complete trainer + orchestrator checkpoint for step {requested} in {out} (have {both})")
+    return requested
+
+
+def resolve_run_resumes(runs: dict[str, OrchestratorConfig]) -> None:
+    """With `runs`: each run resumes from its own latest (or named) step; the trainer reads it from the run's
+    config. A run that has never checkpointed starts fresh under `resume_step = -1`."""
+    for name, orch in runs.items():
+        if orch.ckpt is None or orch.ckpt.resume_step is None:
+            continue
+        fresh = orch.ckpt.resume_step == -1 and not orchestrator_ckpt.saved_steps(orch.output_dir)
+        orch.ckpt.resume_step = None if fresh else resume_step_in(orch.output_dir, orch.ckpt.resume_step)
+        logger.info(f"run {name}: " + ("starts fresh" if fresh else f"resumes from step {orch.ckpt.resume_step}"))
+
+
+def check_environments(orchestrators: list[OrchestratorConfig]) -> None:
+    """Load every environment and check its prompts against seq_len, as the orchestrators will: a bad environment
+    config is reported now, not after a minute or two of vLLM start-up (runs with the same environments: once)."""
     from prime_rl.orchestrator.orchestrator import load_environments
 
-    try:
-        config.orchestrator.model.renderer_config()
-        load_environments(config.orchestrator)
-    except (RuntimeError, ValueError) as e:
-        fail(str(e))
+    checked = []
+    for orch in orchestrators:
+        key = (orch.model, orch.seq_len, orch.sampling.max_tokens, orch.env)
+        if key in checked:
+            continue
+        checked.append(key)
+        try:
+            orch.model.renderer_config()
+            load_environments(orch)
+        except (RuntimeError, ValueError) as e:
+            fail(str(e))
 
 
 def claim_output_dir(output_dir: Path, name: str, roles: list[str]) -> OutputDirLock:
@@ -406,17 +513,15 @@ STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| (step \d+ \|.*
 PROBLEM_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL)\s+\| \S+ \| [^|]+ \| (.*)$")
 
 
-def follow_logs(log_dir: Path, names: list[str], stop: threading.Event) -> None:
-    """Print the step lines (and warnings) of the orchestrator and trainer logs on the console, from what is
-    written after we start: a resumed run appends to the logs of the run it continues, whose lines were shown."""
+def follow_logs(logs: dict[str, Path], stop: threading.Event) -> None:
+    """Print the step lines (and warnings) of the orchestrator and trainer logs (label -> file) on the console, from
+    what is written after we start: a resumed run appends to the logs of the run it continues, whose lines were
+    shown."""
     files: dict[str, object] = {}
-    start_at = {
-        name: (log_dir / f"{name}.log").stat().st_size if (log_dir / f"{name}.log").exists() else 0 for name in names
-    }
+    start_at = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
     while not stop.is_set():
-        for name in names:
+        for name, path in logs.items():
             if name not in files:
-                path = log_dir / f"{name}.log"
                 if not path.exists():
                     continue
                 files[name] = open(path, errors="replace")
@@ -466,8 +571,10 @@ def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
     return cmd + ["-m", "prime_rl.trainer.train", "@", str(trainer_cfg)]
 
 
-def build_processes(config: RLConfig, log_dir: Path, tag: str) -> dict[str, Process]:
-    """The processes of this host's roles, by role (not started)."""
+def build_processes(
+    config: RLConfig, orchs: dict[str, OrchestratorConfig], log_dir: Path, tag: str
+) -> dict[str, Process]:
+    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`."""
     out = config.output_dir
     launch_dir = out / "configs" / f"rl{tag}"
     base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -484,14 +591,22 @@ def build_processes(config: RLConfig, log_dir: Path, tag: str) -> dict[str, Proc
         processes["inference"] = Process("inference", cmd, env, log_dir / f"inference{tag}.out")
     if "orchestrator" in roles:
         env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
-        cfg = write_section(config.orchestrator, launch_dir / "orchestrator.toml")
-        cmd = [str(BIN / "orchestrator"), "@", str(cfg)]
-        processes["orchestrator"] = Process("orchestrator", cmd, env, log_dir / f"orchestrator{tag}.out")
+        for role, orch in orchs.items():
+            cfg = write_section(orch, launch_dir / f"{role.replace('/', '.')}.toml")
+            cmd = [str(BIN / "orchestrator"), "@", str(cfg)]
+            processes[role] = Process(role, cmd, env, log_dir / f"{role.replace('/', '.')}{tag}.out")
     if "trainer" in roles:
         env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)), "OMP_NUM_THREADS": "1"}
         cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
         processes["trainer"] = Process("trainer", cmd, env, log_dir / f"trainer{tag}.out")
     return processes
+
+
+def orchestrators(config: RLConfig) -> dict[str, OrchestratorConfig]:
+    """The orchestrators `rl` starts, by role name: `orchestrator`, or with `runs` one `orchestrator/<name>` each."""
+    if not config.runs:
+        return {"orchestrator": config.orchestrator}
+    return {f"orchestrator/{name}": orch for name, orch in config.run_orchestrators().items()}
 
 
 def wait_for_inference(config: RLConfig, inference: Process, interrupted: list) -> None:
@@ -514,19 +629,26 @@ def wait_for_inference(config: RLConfig, inference: Process, interrupted: list) 
     logger.info("inference is healthy")
 
 
-def launch(config: RLConfig) -> int:
+def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig]) -> int:
     """Start this host's roles and supervise them: the run ends when its orchestrator and trainer (those started
-    here) finish; a host that only serves inference runs until it is stopped."""
+    here) finish; a host that only serves inference runs until it is stopped. With `runs`, a run whose orchestrator
+    fails ends alone (the trainer sees it go and trains the others) and `rl` exits 1 once the rest have finished."""
     out = config.output_dir
     log_dir = out / "logs"
     tag = host_tag(config)
-    processes = build_processes(config, log_dir, tag)
+    processes = build_processes(config, orchs, log_dir, tag)
     inference = processes.get("inference")
     finishers = [p for role, p in processes.items() if role != "inference"]
+    runs = {role: p for role, p in processes.items() if role.startswith("orchestrator/")}
+    failed_runs: list[str] = []
+    trainer_done_at: float | None = None
 
     stop_following = threading.Event()
-    followed = [role for role in ("orchestrator", "trainer") if role in processes]
-    follower = threading.Thread(target=follow_logs, args=(log_dir, followed, stop_following))
+    followed = {role: Path(orch.output_dir) / "logs" / "orchestrator.log" for role, orch in orchs.items()}
+    followed = {role: path for role, path in followed.items() if role in processes}
+    if "trainer" in processes:
+        followed["trainer"] = log_dir / "trainer.log"
+    follower = threading.Thread(target=follow_logs, args=(followed, stop_following))
     follower.daemon = True
     interrupted = []
 
@@ -548,10 +670,24 @@ def launch(config: RLConfig) -> int:
                 raise KeyboardInterrupt
             for p in processes.values():
                 code = p.poll()
-                if code is None or (code == 0 and p is not inference):
+                if code is None or (code == 0 and p is not inference) or p.name in failed_runs:
                     continue
                 what = "exited" if code == 0 else f"failed with exit code {code}"
+                if p.name in runs:
+                    logger.error(f"{p.name} {what}; the other runs go on. Last lines of {p.output}:\n{p.tail()}")
+                    failed_runs.append(p.name)
+                    continue
                 logger.error(f"{p.name} {what}; stopping the run. Last lines of {p.output}:\n{p.tail()}")
+                return 1
+            left = [role for role, p in runs.items() if p.poll() is None]
+            if runs and "trainer" in processes and processes["trainer"].poll() == 0 and left:
+                # The trainer ends once every run left it: an orchestrator still running gets a moment to finish.
+                trainer_done_at = trainer_done_at or time.monotonic()
+                if time.monotonic() - trainer_done_at > TRAINER_DONE_GRACE:
+                    logger.error(f"the trainer has finished but {', '.join(left)} did not: stopping them")
+                    return 1
+            if finishers and all(p.poll() is not None for p in finishers) and failed_runs:
+                logger.error(f"{', '.join(failed_runs)} failed; the others completed (output in {out})")
                 return 1
             if finishers and all(p.poll() == 0 for p in finishers):
                 logger.success(f"run finished: {' and '.join(p.name for p in finishers)} completed (output in {out})")
@@ -708,17 +844,27 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         check_model_exists(name)
     tag = host_tag(config)
-    writers = ["orchestrator"] if "orchestrator" in roles else []
+    orchs = orchestrators(config) if "orchestrator" in roles else {}
+    writers = ["orchestrator"] if "orchestrator" in roles and not config.runs else []
     writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
     lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
-    if "orchestrator" in roles:
-        check_environments(config)
-    resume_step = resolve_resume(config) if "inference" not in roles or len(roles) > 1 else None
+    for orch in orchs.values() if config.runs else []:
+        try:
+            check_free(orch.output_dir, ["orchestrator"])
+        except OutputDirBusy as e:
+            fail(str(e))
+    check_environments(list(orchs.values()))
+    resume_step = None
+    if not config.runs and ("inference" not in roles or len(roles) > 1):
+        resume_step = resolve_resume(config)
     file_name = config.log.file or f"rl{tag}.log"
     setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=file_name)
     write_resolved_config(config, f"rl{tag}")
+    if config.runs:
+        resolve_run_resumes(orchs)
     if "orchestrator" in roles:
-        clean_stale_outputs(config.output_dir, resume_step)
+        for orch in orchs.values():
+            clean_stale_outputs(orch.output_dir, orch.ckpt.resume_step if orch.ckpt is not None else None)
         if not config.deployment.single_host:
             publish_run(config, resume_step)
     elif "trainer" in roles:
@@ -729,7 +875,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.bench is not None:
         logger.info(f"bench: {config.bench.steps} steps, checkpoints and W&B off; a table follows the run")
     metrics_start = metrics_size(config.output_dir)
-    code = launch(config)
+    code = launch(config, orchs)
     if code == 0 and config.bench is not None and {"orchestrator", "trainer"} & set(roles):
         print_bench_table(config.output_dir, metrics_start)
     lock.release()

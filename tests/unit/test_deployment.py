@@ -119,11 +119,11 @@ def test_a_trainer_host_waits_for_its_run_and_gives_up_naming_it(tmp_path, capsy
 def test_a_started_server_gets_its_key_by_environment_not_as_a_masked_file_value(tmp_path, monkeypatch):
     """The launch config of `inference` is written with secrets masked; a masked key in the file would beat the
     environment and the server would require the literal mask (every orchestrator request then gets 401)."""
-    from prime_rl.rl import build_processes
+    from prime_rl.rl import build_processes, orchestrators
 
     monkeypatch.setenv("PRIME_DEPLOYMENT__INFERENCE_API_KEY", "k-9")
     config = rl_config(tmp_path)
-    processes = build_processes(config, tmp_path / "logs", "")
+    processes = build_processes(config, orchestrators(config), tmp_path / "logs", "")
     inference_toml = Path(processes["inference"].cmd[2]).read_text()
     assert "api_key" not in inference_toml and "*****" not in inference_toml
     assert processes["inference"].env["PRIME_SERVER__API_KEY"] == "k-9"

@@ -1,6 +1,8 @@
 """LoRA adapters of the trainer (`trainer/lora.py`) on the tiny model, one process: the export is a peft adapter that
 peft loads to the trainer's logits, and each token goes through its own run's adapter."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from peft import PeftModel
@@ -78,3 +80,39 @@ def test_a_fresh_adapter_is_the_base_model_and_its_draw_depends_on_the_seed_only
 def test_unknown_target_modules_are_named(model_dir):
     with pytest.raises(ValueError, match="qkv_proj"):
         LoRAAdapters(base_model(model_dir), LoRAConfig(target_modules=["q_proj", "qkv_proj"]), 1, torch.device("cpu"))
+
+
+def test_a_run_whose_orchestrator_exits_leaves_once_its_batches_are_trained(model_dir, tmp_path):
+    """The trainer tells a live orchestrator from a gone one by its output-dir lock: a run whose orchestrator exited
+    leaves as soon as no batch of it is left (not after `batch_timeout`), a directory whose orchestrator is gone is
+    never waited for, and the trainer is done when every run has ended."""
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.runs import Runs
+    from prime_rl.utils.fs import write_atomic
+    from prime_rl.utils.locks import OutputDirLock
+
+    def run_dir(name: str) -> Path:
+        path = tmp_path / f"run_{name}"
+        write_atomic(path / "configs" / "orchestrator.toml", f'max_steps = 5\n[adapter]\nname = "{name}"\n'.encode())
+        return path
+
+    config = TrainerConfig(output_dir=tmp_path, model={"name": str(model_dir), "lora": {}}, max_concurrent_runs=2)
+    runs = Runs(config, LoRAAdapters(base_model(model_dir), config.model.lora, 2, torch.device("cpu")), True, None)
+    live = OutputDirLock(run_dir("a"), "orchestrator")
+    OutputDirLock(run_dir("old"), "orchestrator").release()  # an earlier launch's run: its orchestrator is gone
+
+    changes = runs.changes(timeout=3600)
+    assert [j.name for j in changes.joining] == ["run_a"] and not changes.done
+    runs.apply(changes)
+    assert runs.changes(timeout=3600).leaving == {}  # alive, waiting for its first batch
+
+    batch = tmp_path / "run_a" / "rollouts" / "step_1" / "batch.bin"
+    write_atomic(batch, b"written before the orchestrator exited")
+    live.release()
+    changes = runs.changes(timeout=3600)
+    assert changes.ready == ["run_a"] and changes.leaving == {}  # its last batch is still trained
+
+    batch.unlink()
+    changes = runs.changes(timeout=3600)
+    assert changes.leaving == {"run_a": f"failed: its orchestrator exited before writing {batch}"}
+    assert changes.done  # run_old is not waited for

@@ -29,6 +29,7 @@ from loguru import logger
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.eval.config import EvalConfig, RolloutsConfig
 from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs, serve_and_run
+from prime_rl.inference.adapters import ADAPTER_CONFIG
 from prime_rl.orchestrator.worker import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
@@ -106,23 +107,34 @@ def summarize_seat(records: list[dict], rollouts_per_example: int, pass_threshol
 # Policies: the served model, then weight directories loaded in place.
 
 
+POLICY_FILES = ("config.json", ADAPTER_CONFIG)
+"""What makes a directory a policy: a Hugging Face model, or a LoRA adapter (PEFT) of the served model."""
+
+
+def is_adapter(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).exists()
+
+
 def resolve_weights(path: Path) -> Path:
-    """A Hugging Face directory as is; a directory of `step_*` subdirectories: its latest complete step."""
+    """A model or adapter directory as is; a directory of `step_*` subdirectories: its latest complete step."""
     path = Path(path)
-    if (path / "config.json").exists():
+    if any((path / name).exists() for name in POLICY_FILES):
         return path
     steps = step_dirs(path)
     if not steps:
-        raise ValueError(f"{path} is neither a model directory (config.json) nor a directory of step_* weights")
+        raise ValueError(
+            f"{path} is neither a model directory (config.json), an adapter (adapter_config.json) nor a directory "
+            "of step_* weights"
+        )
     return steps[-1][1]
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """`step_*` subdirectories that hold a complete model (config.json; a `STABLE` marker where others have one)."""
+    """`step_*` subdirectories that hold a complete model or adapter (a `STABLE` marker where others have one)."""
     found = []
     for path in Path(root).glob("step_*"):
         match = STEP_DIR.match(path.name)
-        if match and (path / "config.json").exists():
+        if match and any((path / name).exists() for name in POLICY_FILES):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -143,13 +155,16 @@ def policies(config: EvalConfig) -> list[tuple[str, Path | None]]:
 
 
 def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
-    """Every server serves `path` (None: its own model again, `/reload_weights`) when this returns."""
+    """Every server serves `path` (None: its own model again, `/reload_weights`) when this returns; an adapter is
+    loaded beside the base model under the name `label`, which the policy's requests then give as `model`."""
     key = os.environ.get(config.client.api_key_var)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     for url in config.client.base_url:
         root = url.removesuffix("/v1")
         if path is None:
             route, body = "/reload_weights", {}
+        elif is_adapter(path):
+            route, body = "/load_lora_adapter", {"lora_name": label, "lora_path": str(path.resolve()), "version": label}
         else:
             route, body = "/update_weights", {"weight_dir": str(path.resolve()), "version": label}
         response = httpx.post(f"{root}{route}", json=body, headers=headers, timeout=config.client.timeout)
@@ -297,6 +312,7 @@ async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, res
         if path is not None:
             await asyncio.to_thread(load_weights, config, label, path)
         jobs = [Job(j.env, j.example_id, j.task, j.n) for j in planned]
+        model = label if path is not None and is_adapter(path) else None
         records: list[dict] = []
 
         def keep(job: Job, result: RolloutResult, label=label, records=records) -> None:
@@ -304,7 +320,7 @@ async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, res
             records.append(record)
             results.write(json.dumps(record) + "\n")
 
-        seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep)
+        seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep, model)
         envs = {}
         for env in config.env:
             mine = [r for r in records if r["env"] == env.display_name]

@@ -86,8 +86,10 @@ async def run_jobs(
     config: RolloutsConfig,
     description: str,
     on_rollout: Callable[[Job, RolloutResult], None] | None = None,
+    model: str | None = None,
 ) -> float:
-    """Run every job to completion (results land in `job.results`); returns the wall time in seconds.
+    """Run every job to completion (results land in `job.results`), requesting `model` (None: the config's
+    `model.api_name`); returns the wall time in seconds.
 
     A progress bar on stderr counts finished episodes (an episode of a multi-agent env yields a rollout per seat)
     and shows the running mean reward of the rollouts."""
@@ -102,7 +104,7 @@ async def run_jobs(
         pending = job.n
         while pending:
             async with limit:
-                reply = await worker.run_group(RunGroup(next(ids), job.env, job.task, pending, next(urls)))
+                reply = await worker.run_group(RunGroup(next(ids), job.env, job.task, pending, next(urls), model))
             episodes: dict[int, list[RolloutResult]] = {}
             for result in reply.rollouts:
                 episodes.setdefault(result.episode, []).append(result)

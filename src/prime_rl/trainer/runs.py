@@ -6,7 +6,9 @@ A run is known by its orchestrator's resolved config, `configs/orchestrator.toml
 starts), which must have an `[adapter]` section; its optimizer, schedule and seed come from there, its length from
 its `max_steps`. A directory whose config is invalid gets `configs/trainer_error.txt` and is skipped until the config
 changes; an orchestrator restarted on the directory rewrites its config, and the run restarts in the trainer from the
-checkpoint its `ckpt.resume_step` names.
+checkpoint its `ckpt.resume_step` names. A run whose orchestrator has exited (its `.locks/orchestrator.lock` is free)
+leaves once no batch is left to train, and a directory whose orchestrator is gone is not waited for: the trainer
+stops when every run it trained has ended and no live orchestrator is starting another.
 
 Rank 0 looks at the directories (`Runs.changes`); every rank applies the same `Changes` (`Runs.apply`), so all ranks
 agree on the set of runs at every step. A run's own files, beside the orchestrator's:
@@ -35,6 +37,7 @@ from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.weights import STABLE, broadcast_dir, prune_broadcasts
 from prime_rl.utils.fs import atomic_dir, remove_steps_after, write_atomic
+from prime_rl.utils.locks import holder_alive
 from prime_rl.utils.monitor import Monitor
 
 RUN_CONFIG = Path("configs") / "orchestrator.toml"
@@ -130,6 +133,8 @@ class Runs:
                 changes.leaving[name] = "its orchestrator restarted (new config): it rejoins from its checkpoint"
             elif run.max_steps is not None and run.progress.step >= run.max_steps:
                 changes.leaving[name] = f"finished ({run.max_steps} steps)"
+            elif not run.next_batch.exists() and orchestrator_gone(run.path):
+                changes.leaving[name] = f"failed: its orchestrator exited before writing {run.next_batch}"
             elif timeout is not None and now - run.waiting_since > timeout:
                 changes.leaving[name] = f"failed: no batch {run.next_batch} within {timeout:g} s (batch_timeout)"
         free = sorted(set(range(self.config.max_concurrent_runs)) - {r.slot for r in self.active.values()})
@@ -143,7 +148,7 @@ class Runs:
             if mtime is None:
                 self.first_seen.setdefault(name, now)
                 continue
-            if self.ended.get(name) == mtime:
+            if self.ended.get(name) == mtime or orchestrator_gone(path):  # a run of an earlier launch: not coming
                 continue
             try:
                 config = read_run_config(path)
@@ -176,8 +181,8 @@ class Runs:
             step = joining.resume_step or 0
             if (joining.path / "rollouts" / f"step_{step + 1}" / "batch.bin").exists():
                 changes.ready.append(joining.name)
-        pending = [n for n in present if n not in self.ended and n not in self.active and n not in
-                   {j.name for j in changes.joining}]  # fmt: skip
+        pending = [n for n, p in present.items() if n not in self.ended and n not in self.active and n not in
+                   {j.name for j in changes.joining} and not orchestrator_gone(p)]  # fmt: skip
         stays = set(self.active) - set(changes.leaving) | {j.name for j in changes.joining}
         self.seen_any = self.seen_any or bool(stays)
         changes.done = self.seen_any and not stays and not pending
@@ -253,6 +258,12 @@ class Runs:
             prune_run_checkpoints(run.path, ckpt.kept(complete_steps(run.path)), step)
         live = set(complete_steps(run.path)) if ckpt is not None else set()
         prune_broadcasts(run.path, step, run.config.max_async_level, keep=live)
+
+
+def orchestrator_gone(run_dir: Path) -> bool:
+    """An orchestrator ran on the directory and has exited or died (its lock is free): no batch will come. False
+    where that is unknown (no lock file, e.g. batches written by hand, or a filesystem without `flock`)."""
+    return holder_alive(run_dir, "orchestrator") is False
 
 
 def _mtime(path: Path) -> float | None:

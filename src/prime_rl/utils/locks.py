@@ -4,6 +4,9 @@ Two trainers (or two orchestrators) writing the same output directory consume ea
 overwrite each other's checkpoints, so every writing process holds the lock of its role for its whole life.
 The kernel releases a `flock` when its holder dies, however it dies, so a crashed run never leaves a lock
 behind. The file's text (pid, host, command) is only there to name the holder in the error message.
+
+The lock also tells others whether its holder still lives (`holder_alive`): a LoRA trainer uses that to see that a
+run's orchestrator is gone without waiting out its batch timeout.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import fcntl
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from loguru import logger
 
 LOCK_DIR = ".locks"
+TAKE_RETRY = 2.0
+"""Seconds a new holder retries a busy lock: `holder_alive` probes take it for microseconds."""
 
 
 class OutputDirBusy(RuntimeError):
@@ -44,7 +50,7 @@ class OutputDirLock:
         # O_CLOEXEC (Python's default): children never inherit the lock, so a child outliving us cannot hold it.
         self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_retrying(self.fd, fcntl.LOCK_EX)
         except BlockingIOError:
             os.close(self.fd)
             self.fd = None
@@ -62,6 +68,37 @@ class OutputDirLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
+
+
+def _flock_retrying(fd: int, operation: int) -> None:
+    """`flock` without blocking, retried for `TAKE_RETRY` seconds; `BlockingIOError` while a holder keeps it."""
+    deadline = time.monotonic() + TAKE_RETRY
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def holder_alive(output_dir: Path, role: str) -> bool | None:
+    """Whether a live process holds the role's lock on `output_dir`: True, False (the lock file is there, so a
+    holder was, and it has exited or died), or None (no lock file, or a filesystem without `flock`: unknown)."""
+    try:
+        fd = os.open(lock_path(output_dir, role), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # never blocks a holder: it retries for `TAKE_RETRY`
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # drops the probe's shared lock at once
 
 
 def check_free(output_dir: Path, roles: list[str]) -> None:
