@@ -280,9 +280,13 @@ class RLConfig(EntrypointConfig):
             names = [run.name for run in self.runs]
             if len(set(names)) != len(names):
                 raise ValueError(f"runs: names must differ, got {names}")
-            if "max_concurrent_runs" in trainer.model_fields_set and trainer.max_concurrent_runs < runs:
-                raise ValueError(f"trainer.max_concurrent_runs = {trainer.max_concurrent_runs} < {runs} runs")
-            trainer.max_concurrent_runs = max(trainer.max_concurrent_runs, runs)
+            if "max_concurrent_runs" not in trainer.model_fields_set:
+                trainer.max_concurrent_runs = runs + 1  # a spare slot: a run can be added to the running trainer
+            elif trainer.max_concurrent_runs < max(runs, 2):  # 1: the trainer would train output_dir itself
+                raise ValueError(
+                    f"trainer.max_concurrent_runs = {trainer.max_concurrent_runs}: [[runs]] needs a slot for each of "
+                    f"its {runs} run(s) in output_dir/run_<name> (and at least 2)"
+                )
             self.run_orchestrators()  # every run's config is valid now, not when its orchestrator starts
         elif self.orchestrator.adapter is None:
             self.orchestrator.adapter = AdapterConfig(name="lora")
@@ -291,7 +295,8 @@ class RLConfig(EntrypointConfig):
         rank = trainer.model.lora.rank
         if inf.lora is None:
             served_rank = min(r for r in VLLM_LORA_RANKS if r >= rank)  # the trainer refuses ranks vLLM cannot serve
-            inf.lora = ServedLoRAConfig(max_loras=max(runs, ServedLoRAConfig().max_loras), max_lora_rank=served_rank)
+            slots = trainer.max_concurrent_runs
+            inf.lora = ServedLoRAConfig(max_loras=max(slots, ServedLoRAConfig().max_loras), max_lora_rank=served_rank)
         if inf.lora.max_loras < runs or inf.lora.max_lora_rank < rank:
             raise ValueError(
                 f"inference.lora (max_loras {inf.lora.max_loras}, max_lora_rank {inf.lora.max_lora_rank}) cannot "

@@ -1,15 +1,21 @@
 """`rl` with two runs (`[[runs]]`) in one LoRA trainer on the session's inference server: each run trains its own
-adapter with its own learning rate, and a run whose orchestrator dies ends alone while the other finishes."""
+adapter with its own learning rate, a run whose orchestrator dies ends alone while the other finishes, and a third run
+started by hand joins the running trainer."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+from conftest import API_KEY
 from rl_run import started_pid
-from test_rl import REVERSE_TEXT, run_pids, start_rl, write_config
+from test_rl import KEY_VAR, REVERSE_TEXT, run_pids, start_rl, write_config
 
 from prime_rl.batch import batch_path
 
@@ -32,26 +38,37 @@ def run_metrics(run_dir, process: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_runs_in_one_trainer_and_a_dead_run_ends_alone(tied_server, tmp_path):
-    srv, steps = tied_server, 4
+    srv, steps = tied_server, 6
     out = srv.root / "rl" / "runs"
     config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=steps, envs=REVERSE_TEXT)
     config.write_text(config.read_text() + RUNS)
     low, high = out / "run_lr-low", out / "run_lr-high"
     log = tmp_path / "rl.log"
+    late = out / "run_late"
     proc = start_rl(config, log=log)
+    joining = None
     try:
         victim = psutil.Process(started_pid(log, "orchestrator/lr-high"))
+        started_pid(log, "trainer")
+        # A run added by hand while the trainer runs: the launch config of another run, its own name and directory.
+        launched = out / "configs" / "rl" / "orchestrator.lr-low.toml"
+        cmd = [str(Path(sys.executable).parent / "orchestrator"), "@", str(launched), "--output-dir", str(late)]
+        cmd += ["--adapter.name", "late", "--max-steps", "3"]
+        env = {**os.environ, KEY_VAR: API_KEY}
+        joining = subprocess.Popen(cmd, stdout=open(tmp_path / "late.log", "w"), stderr=subprocess.STDOUT, env=env)
         while not batch_path(high, 2).exists():
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         tree = run_pids(psutil.Process(proc.pid))
         victim.kill()
         code = proc.wait(300)
+        assert joining.wait(60) == 0, (tmp_path / "late.log").read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, joining):
+            if p is not None and p.poll() is None:
+                p.kill()
         served = httpx.get(f"{srv.url}/weights", headers=srv.headers).json().get("adapters", {})
-        for name in ("lr-low", "lr-high"):
+        for name in ("lr-low", "lr-high", "late"):
             httpx.post(f"{srv.url}/unload_lora_adapter", json={"lora_name": name}, headers=srv.headers)
     console = log.read_text()
     assert code == 1, console[-4000:]
@@ -68,6 +85,8 @@ def test_two_runs_in_one_trainer_and_a_dead_run_ends_alone(tied_server, tmp_path
     assert (low / "broadcasts" / f"step_{steps}" / "adapter_model.safetensors").exists()
     # Batch n is sampled from policy n - 1 - k or newer (k = 1): the last batch from the adapter of step 2 at least.
     assert int(served["lr-low"].removeprefix("step_")) >= steps - 2, served
+    assert "run run_late joins in slot" in trainer_log
+    assert [m["step"] for m in run_metrics(late, "trainer")] == [1, 2, 3]
     # The dead run's steps before the kill were its own: its learning rate, in its own directory.
     assert {m["lr"] for m in run_metrics(high, "trainer")} <= {1e-2}
     time.sleep(1)

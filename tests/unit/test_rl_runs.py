@@ -58,7 +58,7 @@ def test_each_run_is_the_shared_orchestrator_plus_its_own_keys(tmp_path):
     assert (fast.max_steps, slow.max_steps) == (5, 9)  # the shared length unless the run's file sets its own
     assert fast.batch_size == slow.batch_size == 8 and fast.seq_len == slow.seq_len == 64
     assert fast.model.name == slow.model.name == "/models/tiny"
-    assert config.trainer.max_concurrent_runs == 2
+    assert config.trainer.max_concurrent_runs == 3  # a spare slot for a run added while it trains
     assert (config.inference.lora.max_loras, config.inference.lora.max_lora_rank) == (8, 8)  # rank 4 -> vLLM's 8
 
 
@@ -70,7 +70,7 @@ def test_rl_starts_one_orchestrator_per_run_on_its_directory_and_one_trainer(tmp
     assert processes["orchestrator/fast"].cmd[-1] == str(written)
     assert f'output_dir = "{tmp_path / "out" / "run_fast"}"' in written.read_text()
     trainer_toml = (tmp_path / "out" / "configs" / "rl" / "trainer.toml").read_text()
-    assert "max_concurrent_runs = 2" in trainer_toml
+    assert "max_concurrent_runs = 3" in trainer_toml
     assert "[lora]\nmax_loras = 8\nmax_lora_rank = 8\n" in (tmp_path / "out/configs/rl/inference.toml").read_text()
 
 
@@ -85,7 +85,8 @@ def test_one_lora_run_without_runs_gets_an_adapter_name(tmp_path):
     [
         ('[model]\nname = "/m"\n[[runs]]\nname = "a"\n', [], "set [trainer.model.lora]"),
         (BASE + '[[runs]]\nname = "a"\n[[runs]]\nname = "a"\n', [], "names must differ, got ['a', 'a']"),
-        (BASE + TWO_RUNS, ["--trainer.max-concurrent-runs", "1"], "trainer.max_concurrent_runs = 1 < 2 runs"),
+        (BASE + TWO_RUNS, ["--trainer.max-concurrent-runs", "1"], "needs a slot for each of its 2 run(s)"),
+        (BASE + '[[runs]]\nname = "a"\n', ["--trainer.max-concurrent-runs", "1"], "(and at least 2)"),
         (BASE + TWO_RUNS, ["--inference.lora.max-loras", "1"], "cannot serve 2 adapter(s) of rank 4"),
         (BASE + '[[runs]]\nname = "a"\norchestrator = { seq_len = 100 }\n', [], "< runs.a.seq_len (100)"),
         (BASE + '[[runs]]\nname = "a"\norchestrator = { batch_sise = 4 }\n', [], "runs[0] (a):"),
