@@ -1,16 +1,25 @@
 """LoRA adapters of the trainer (`trainer/lora.py`) on the tiny model, one process: the export is a peft adapter that
-peft loads to the trainer's logits, and each token goes through its own run's adapter."""
+peft loads to the trainer's logits, and each token goes through its own run's adapter; what `model.lora` refuses;
+`sft --bench` of an adapter."""
 
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from loguru import logger
 from peft import PeftModel
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.config import LoRAConfig
+from prime_rl.trainer.config import LoRAConfig, TrainerConfig
+from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.lora import LoRAAdapters
+from prime_rl.trainer.sft import fine_tune
+from prime_rl.trainer.sft_config import SFTConfig
+from prime_rl.utils.monitor import Monitor
+from prime_rl.utils.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +95,6 @@ def test_a_run_whose_orchestrator_exits_leaves_once_its_batches_are_trained(mode
     """The trainer tells a live orchestrator from a gone one by its output-dir lock: a run whose orchestrator exited
     leaves as soon as no batch of it is left (not after `batch_timeout`), a directory whose orchestrator is gone is
     never waited for, and the trainer is done when every run has ended."""
-    from prime_rl.trainer.config import TrainerConfig
     from prime_rl.trainer.runs import Runs
     from prime_rl.utils.fs import write_atomic
     from prime_rl.utils.locks import OutputDirLock
@@ -116,3 +124,41 @@ def test_a_run_whose_orchestrator_exits_leaves_once_its_batches_are_trained(mode
     changes = runs.changes(timeout=3600)
     assert changes.leaving == {"run_a": f"failed: its orchestrator exited before writing {batch}"}
     assert changes.done  # run_old is not waited for
+
+
+@pytest.mark.parametrize("config_type", [SFTConfig, TrainerConfig])
+def test_lora_refuses_context_parallelism_and_a_random_base(config_type):
+    config_type(model={"lora": {}})
+    with pytest.raises(ValidationError, match=r"model.lora does not support context parallelism \(model.cp > 1\)"):
+        config_type(model={"lora": {}, "cp": 2})
+    with pytest.raises(ValidationError, match="model.lora trains an adapter of the weights in model.name; with "
+                                              "model.random_init"):  # fmt: skip
+        config_type(model={"lora": {}, "random_init": True})
+
+
+def test_sft_bench_trains_an_adapter_and_writes_nothing(model_dir, tmp_path, monkeypatch, capsys):
+    """In this process, as a plain one-rank `sft --bench --model.lora` runs (the 2-rank LoRA run is an
+    integration test)."""
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = SFTConfig(model={"name": str(model_dir), "dtype": "float32", "lora": {"rank": 4}}, output_dir=tmp_path,
+                       bench={"steps": 3, "samples": 2}, seq_len=32, ckpt={"interval": 1})  # fmt: skip
+    messages = []
+    sink = logger.add(messages.append, format="{message}")
+    world = init_distributed()
+    try:
+        fine_tune(config, world, Monitor(tmp_path, "sft"))
+    finally:
+        dist.destroy_process_group()
+        logger.remove(sink)
+    assert any("a LoRA adapter of rank 4 on 14 layers trains" in m for m in messages)
+    table = capsys.readouterr().out
+    assert "summary over 2 steps after the first" in table and len(table.strip().splitlines()) == 1 + 3 + 1
+    assert not (tmp_path / "weights").exists() and not (tmp_path / "checkpoints").exists()

@@ -1,5 +1,6 @@
 """One training step's forward/backward (`train_step` of the RL trainer and of sft) on the tiny model: several
-rows per forward (micro-batches) give the loss, statistics and gradient of one row per forward."""
+rows per forward (micro-batches) give the loss, statistics and gradient of one row per forward, with a LoRA adapter
+too (whose parameters alone get gradients)."""
 
 import random
 
@@ -10,9 +11,10 @@ from transformers import AutoModelForCausalLM
 from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer import sft, train
-from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.config import LoRAConfig, TrainerConfig
 from prime_rl.trainer.distributed import World
 from prime_rl.trainer.logprobs import install_logprob_head
+from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.packing import pack_samples, padding_row
 from prime_rl.trainer.sft_config import SFTConfig
 
@@ -88,3 +90,31 @@ def test_micro_batches_give_the_gradient_of_one_row_per_forward(model, model_dir
         torch.testing.assert_close(
             three_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def test_with_an_adapter_only_it_gets_gradients_and_micro_batches_give_the_same_ones(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    install_logprob_head(model, chunk=16)
+    model.requires_grad_(False)  # as `build_model` freezes the base with `model.lora`
+    adapters = LoRAAdapters(model, LoRAConfig(rank=4), slots=1, device=torch.device("cpu"))
+    adapters.reset_slot(0, seed=0)
+    with torch.no_grad():  # B = 0 would leave A without gradient: as after some training
+        for key in adapters.B:
+            adapters.B[key][0].normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    rows = pack_samples(samples(), seq_len=40)
+    rows.append(padding_row())  # slot -1: runs through slot 0's adapter, with no loss
+    loss_scale = sum(row.num_loss_tokens for row in rows)
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    grads = []
+    for k in (1, 3):
+        config = SFTConfig(model={"name": str(model_dir), "lora": {"rank": 4}}, micro_batch_size=k)
+        for p in adapters.slot_params(0):
+            p.grad = None
+        sft.train_step(model, rows, loss_scale, config, world, adapters)
+        assert all(p.grad is None for p in model.parameters())  # the frozen base
+        grads.append([p.grad.clone() for p in adapters.slot_params(0)])
+    for one, three in zip(*grads, strict=True):
+        scale = one.abs().max().item()
+        assert scale > 0
+        # reordered fp32 sums, as in the test above
+        torch.testing.assert_close(three, one, rtol=0, atol=1e-5 * scale)

@@ -197,6 +197,19 @@ class TrainerModelConfig(ModelConfig):
     """Context parallelism: each packed row is split over `cp` consecutive ranks (Ulysses all-to-all attention over
     SDPA); must divide the ranks and the attention heads. For rows too long for one device's activations."""
 
+    @model_validator(mode="after")
+    def _check_lora(self) -> "TrainerModelConfig":
+        if self.lora is None:
+            return self
+        if self.cp > 1:
+            raise ValueError("model.lora does not support context parallelism (model.cp > 1) yet")
+        if self.random_init:
+            raise ValueError(
+                "model.lora trains an adapter of the weights in model.name; with model.random_init the base would "
+                "be random weights that no one could load the adapter onto"
+            )
+        return self
+
 
 class TrainerBenchConfig(BenchConfig):
     """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""
@@ -270,8 +283,6 @@ class TrainerConfig(EntrypointConfig):
                     f"weight_broadcast.type = {self.weight_broadcast.type!r}: LoRA adapters are published to "
                     "`broadcasts/` (a few MB each); use the filesystem type"
                 )
-            if self.model.cp > 1:
-                raise ValueError("model.lora does not support context parallelism (model.cp > 1) yet")
             if self.bench is not None:
                 raise ValueError("--bench measures full-weight training; it does not run LoRA adapters")
         return self

@@ -20,23 +20,29 @@ agree on the set of runs at every step. A run's own files, beside the orchestrat
 
 from __future__ import annotations
 
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from loguru import logger
-from safetensors.torch import load_file, save_file
 
 from prime_rl.config.loader import fill_discriminators, load_toml
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.trainer.ckpt import COMPLETE, Progress, complete_steps, resolve_resume_step, step_dir
+from prime_rl.trainer.ckpt import (
+    Progress,
+    complete_steps,
+    load_adapter_checkpoint,
+    prune_checkpoints,
+    resolve_resume_step,
+    save_adapter_checkpoint,
+    step_dir,
+)
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.weights import STABLE, broadcast_dir, prune_broadcasts
-from prime_rl.utils.fs import atomic_dir, remove_steps_after, write_atomic
+from prime_rl.utils.fs import remove_steps_after, write_atomic
 from prime_rl.utils.locks import holder_alive
 from prime_rl.utils.monitor import Monitor
 
@@ -214,8 +220,8 @@ class Runs:
         scheduler = build_scheduler(optimizer, adapter.scheduler or self.config.scheduler, max_steps)
         progress = Progress()
         if joining.resume_step is not None:
-            progress = load_run_checkpoint(joining.path, joining.resume_step, self.adapters, joining.slot,
-                                           optimizer, scheduler)  # fmt: skip
+            progress = load_adapter_checkpoint(step_dir(joining.path, joining.resume_step), self.adapters,
+                                               joining.slot, optimizer, scheduler)  # fmt: skip
         monitor = None
         if self.is_main:
             # Adapters after the start step are an earlier life's: its orchestrator must not load them. (The
@@ -255,7 +261,7 @@ class Runs:
         ckpt = run.config.ckpt
         if ckpt is not None and ckpt.due(step, run.max_steps):
             save_run_checkpoint(run, self.adapters)
-            prune_run_checkpoints(run.path, ckpt.kept(complete_steps(run.path)), step)
+            prune_checkpoints(run.path, ckpt, step)
         live = set(complete_steps(run.path)) if ckpt is not None else set()
         prune_broadcasts(run.path, step, run.config.max_async_level, keep=live)
 
@@ -277,27 +283,6 @@ def save_run_checkpoint(run: Run, adapters: LoRAAdapters) -> Path:
     """Rank 0 (every rank holds the same adapter and optimizer state): `checkpoints/step_n/trainer/`, complete with
     its marker or not there at all. Tensors are keyed by slot-independent names: a resumed run may get another slot."""
     target = step_dir(run.path, run.progress.step)
-    with atomic_dir(target) as tmp:
-        save_file(adapters.state(run.slot), str(tmp / "adapter.safetensors"))
-        torch.save(run.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"scheduler": run.scheduler.state_dict(), "progress": asdict(run.progress)}, tmp / "extra.pt")
-    (target / COMPLETE).touch()
+    save_adapter_checkpoint(target, adapters, run.slot, run.optimizer, run.scheduler, run.progress)
     logger.info(f"run {run.name}: checkpoint for step {run.progress.step} complete at {target}")
     return target
-
-
-def load_run_checkpoint(run_dir: Path, step: int, adapters: LoRAAdapters, slot: int, optimizer, scheduler) -> Progress:
-    """Every rank reads the same files: the adapter into `slot`, the optimizer (its parameters are the slot's, in
-    `slot_params` order) and the schedule."""
-    path = step_dir(run_dir, step)
-    adapters.load_state(slot, load_file(str(path / "adapter.safetensors")))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    extra = torch.load(path / "extra.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    return Progress(**extra["progress"])
-
-
-def prune_run_checkpoints(run_dir: Path, keep: set[int], latest: int) -> None:
-    for step in complete_steps(run_dir):
-        if step not in keep and step < latest:
-            shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)

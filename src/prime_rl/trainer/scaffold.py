@@ -34,6 +34,7 @@ from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume
 from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.logprobs import HeadError
+from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.model import SetupError, build_model, check_device, load_arch, stored_dtype
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
@@ -130,10 +131,19 @@ class Run:
     """The dtype of the model's own checkpoint: published or exported weights are written back in it."""
     offload_device: torch.device | None = None
     """With `optim.cpu_offload`: the device the optimizer state comes to for each step (it lives on the host)."""
+    adapters: LoRAAdapters | None = None
+    """With `model.lora` (sft): the one adapter (slot 0) that trains on the frozen base; the optimizer has its
+    parameters only."""
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        return self.adapters.slot_params(0) if self.adapters is not None else list(self.model.parameters())
 
     def optimizer_step(self, max_norm: float) -> tuple[float, float]:
-        """Clip, then step optimizer and schedule; returns the gradient norm before clipping and the lr used."""
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
+        """Clip, then step optimizer and schedule; returns the gradient norm before clipping and the lr used.
+        An adapter's gradients are summed over the ranks first (FSDP reduces the sharded weights' in backward)."""
+        if self.adapters is not None:
+            self.adapters.all_reduce_grads([0], dist.get_world_size())
+        grad_norm = clip_grad_norm(self.trained_parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.offload_device is not None:
             move_optimizer_state(self.optimizer, self.offload_device)
@@ -167,24 +177,37 @@ def build_run(
     """Load and shard the model, build optimizer and schedule, and resume from `config.ckpt.resume_step`.
 
     `name` is the checkpoint's subdirectory (`checkpoints/step_n/<name>/`); `progress_type` a `Progress` that
-    records more when the loop needs it (sft: the data position).
+    records more when the loop needs it (sft: the data position). With `model.lora` (sft; the RL trainer's LoRA
+    loop has runs of its own) the base is frozen and one adapter, drawn from `seed`, is what trains and is saved.
     """
     model, export_dtype = load_model(config, world)
-    optimizer = build_optimizer(model.parameters(), config.optim)
+    adapters = None
+    if config.model.lora is not None:
+        adapters = LoRAAdapters(model, config.model.lora, 1, world.device)
+        adapters.reset_slot(0, config.seed)
+    trained = adapters.slot_params(0) if adapters is not None else model.parameters()
+    optimizer = build_optimizer(trained, config.optim)
     scheduler = build_scheduler(optimizer, config.scheduler, max_steps)
-    ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, name) if config.ckpt else None
+    ckpt = None
+    if config.ckpt is not None:
+        ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, name, adapters)
     progress = progress_type()
     if ckpt is not None and config.ckpt.resuming:
         step = resolve_resume_step(config.output_dir, config.ckpt.resume_step, name)
         progress = ckpt.load(step, model, optimizer, scheduler, progress_type)
         logger.info(f"resumed from step {progress.step} ({progress.tokens} tokens, {progress.samples} samples)")
+    lora = ""
+    if adapters is not None:
+        trained_count = sum(p.numel() for p in adapters.slot_params(0))
+        lora = f" (a LoRA adapter of rank {config.model.lora.rank} on {len(adapters.targets)} layers trains: "
+        lora += f"{trained_count / 1e6:.2f}M params)"
     logger.info(
         f"{verb} {config.model.name} on {world.world_size} rank(s) ({world.device.type}), "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params{lora}, "
         f"steps {progress.step + 1}..{max_steps or 'inf'}"
     )
     offload = world.device if config.optim.cpu_offload else None
-    return Run(model, optimizer, scheduler, ckpt, progress, export_dtype, offload)
+    return Run(model, optimizer, scheduler, ckpt, progress, export_dtype, offload, adapters)
 
 
 # ---------------------------------------------------------------------------------------------------------

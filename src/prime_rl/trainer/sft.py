@@ -10,9 +10,17 @@ export `weights/step_n` -> maybe checkpoint, data position included, so a resume
 example. `--bench` runs on random rows and writes neither. What the RL trainer does alike (the process around the
 loop, model and optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s; the forward is
 `logprobs.forward_logprobs`.
+
+With `[model.lora]` (`--model.lora`) the base stays frozen (FSDP2-sharded as ever) and one LoRA adapter trains
+(`lora.py`: replicated on every rank, drawn from `seed`, its gradients summed over the ranks before the step).
+`weights/step_n` is then a peft adapter directory (`adapter_config.json`, `adapter_model.safetensors`) of the base
+`model.name`, and a checkpoint holds the adapter, its optimizer, the schedule and the data position (`ckpt.py`). To
+use the adapter: `PeftModel.from_pretrained(base, "weights/step_n")` (`.merge_and_unload()` for plain weights), or
+an `inference --lora` server of the base and `/load_lora_adapter` of the directory (README, "LoRA adapters").
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -88,17 +96,21 @@ def take_examples(
     return samples, {"data": asdict(stream.state), "examples": len(stream.examples)}
 
 
-def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, world: World) -> dict[str, float]:
+def train_step(
+    model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, world: World, adapters=None
+) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank: Σ over loss tokens of -log p(token | what precedes it in
     its sample), divided by the step's loss-token count. Returns summed statistics (not yet reduced across ranks;
-    a context-parallel group's first rank reports its group's).
+    a context-parallel group's first rank reports its group's). `adapters`: with `model.lora`, every token goes
+    through slot 0's adapter.
     """
     loss = torch.zeros((), dtype=torch.float64, device=world.device)
     processed = 0
     for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
-        logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
-        batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
-        batch_loss.backward()
+        with adapters.tokens(batch.slots, carrier=0) if adapters is not None else nullcontext():
+            logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
+            batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
+            batch_loss.backward()
         loss += batch_loss.detach().double()
         processed += batch.num_tokens
     if world.cp_rank != 0:
@@ -106,8 +118,15 @@ def train_step(model, rows: list[PackedRow], loss_scale: float, config: SFTConfi
     return {"loss": loss.item(), "processed_tokens": float(processed)}
 
 
-def export_weights(run: Run, tokenizer, target: Path, world: World) -> None:
-    """Write a Hugging Face directory (atomically) that `from_pretrained` and the inference server load."""
+def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: str) -> None:
+    """Write a Hugging Face directory (atomically) that `from_pretrained` and the inference server load; with
+    `model.lora` a peft adapter directory of `base_model` (rank 0 holds the whole adapter) that peft and vLLM load."""
+    if run.adapters is not None:
+        if world.is_main:
+            run.adapters.save(0, target, base_model, run.export_dtype)
+            logger.info(f"exported the LoRA adapter to {target}")
+        dist.barrier()
+        return
     state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
     if world.is_main:
         save_hf_dir(state, run.model.config, tokenizer, target, generation_config=run.model.generation_config)
@@ -143,7 +162,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world)
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world, run.adapters)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         tokens, samples = run.progress.tokens + info["tokens"], run.progress.samples + info["samples"]
         run.progress = SFTProgress(step, tokens, samples, DataState(**info["data"]))
@@ -153,7 +172,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_save = time.perf_counter()
         if config.bench is None:
             if step == max_steps or (config.weights_interval and step % config.weights_interval == 0):
-                export_weights(run, tokenizer, weights_dir(config.output_dir, step), world)
+                export_weights(run, tokenizer, weights_dir(config.output_dir, step), world, config.model.name)
             run.maybe_checkpoint(step, max_steps)
         t_save = time.perf_counter() - t_save
 

@@ -77,7 +77,8 @@ class SFTConfig(EntrypointConfig):
     """Also log to W&B, as run `<name>-sft` (`--wandb` enables with defaults)."""
 
     bench: TrainerBenchConfig | None = None
-    """Benchmark on fake rows instead of `data` (`--bench` enables): no exports, no checkpoints; prints a table."""
+    """Benchmark on fake rows instead of `data` (`--bench` enables): no exports, no checkpoints; prints a table
+    (with `model.lora`, of training the adapter)."""
 
     batch_size: int = Field(32, ge=1)
     """Examples (conversations) per optimizer step; skipped examples are replaced by the next ones."""
@@ -92,7 +93,8 @@ class SFTConfig(EntrypointConfig):
     """Optimizer steps to run; the final weights are exported after the last one."""
 
     weights_interval: int | None = Field(None, ge=1)
-    """Also export `weights/step_n` every this many steps (None: only after the last step)."""
+    """Also export `weights/step_n` every this many steps (None: only after the last step); with `model.lora` each
+    is a peft adapter directory of `model.name`."""
 
     seed: int = 0
     """Seed of the data order (reshuffled per epoch), random initialisation and fake data."""
