@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import API_KEY
+from conftest import API_KEY, make_adapter
 
 from prime_rl.eval.eval import summarize
 from prime_rl.models.tiny import perturb_weights
@@ -66,23 +67,29 @@ def test_results_and_summary_agree(tied_server, tmp_path):
     assert proc.stdout.strip().splitlines()[-2].startswith("reverse-text reward: base ")
 
 
-def test_base_and_two_saved_steps_in_one_server_lifetime(tied_server, tmp_path):
+def test_base_an_adapter_and_two_saved_steps_in_one_server_lifetime(tied_server, tmp_path):
     srv = tied_server
     weights = srv.root / "eval_weights"
     perturb_weights(srv.base, weights / "step_1", scale=8.0, seed=1)
     perturb_weights(srv.base, weights / "step_2", scale=8.0, seed=2)
+    adapter, _ = make_adapter(srv.base, srv.root / "eval_adapter", seed=3)
     env = json.dumps([{"id": "reverse-text", "num_examples": 4, "rollouts_per_example": 2}])
-    proc = run_eval(srv, tmp_path, "--env", env, "--weights-dir", str(weights), "--sampling.temperature", "0")
+    extra = ["--weights", json.dumps({"lora-eval": str(adapter)}), "--weights-dir", str(weights)]
+    proc = run_eval(srv, tmp_path, "--env", env, *extra, "--sampling.temperature", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    labels = ["base", "lora-eval", "step_1", "step_2"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [p["label"] for p in summary["policies"]] == ["base", "step_1", "step_2"]
+    assert [p["label"] for p in summary["policies"]] == labels
     table = proc.stdout.splitlines()
-    assert sum(line.split(" | ")[0].strip() in ("base", "step_1", "step_2") for line in table) == 3
+    assert sum(line.split(" | ")[0].strip() in labels for line in table) == 4
     assert (tmp_path / "reward_vs_step.png").stat().st_size > 1000
-    # Greedy decoding: each policy's completions are its own (heavily perturbed weights answer differently).
+    # Greedy decoding: each policy's completions are its own (heavily perturbed weights, or an adapter that moves
+    # every weight by ~5x its spread, answer differently): the adapter was requested by its name.
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    by_policy = {p: [r["completion"] for r in records if r["policy"] == p] for p in ("base", "step_1", "step_2")}
-    assert by_policy["base"] != by_policy["step_1"] != by_policy["step_2"]
+    by_policy = {p: [r["completion"] for r in records if r["policy"] == p] for p in labels}
+    assert by_policy["base"] != by_policy["lora-eval"] != by_policy["step_1"] != by_policy["step_2"]
+    served = httpx.get(f"{srv.url}/weights", headers=srv.headers).json()
+    assert "lora-eval" not in served.get("adapters", {})  # someone else's server: our adapter is unloaded again
     # The server was put back on its own weights: a greedy request matches the base policy's answer again.
     rerun = run_eval(srv, tmp_path / "again", "--env", env, "--sampling.temperature", "0")
     again = [json.loads(line)["completion"] for line in (tmp_path / "again" / "results.jsonl").read_text().splitlines()]

@@ -175,6 +175,17 @@ def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
         )
 
 
+def unload_adapters(config: RolloutsConfig, labels: list[str]) -> None:
+    key = os.environ.get(config.client.api_key_var)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for url in config.client.base_url:
+        for label in labels:
+            body = {"lora_name": label}
+            response = httpx.post(f"{url.removesuffix('/v1')}/unload_lora_adapter", json=body, headers=headers)
+            if response.status_code not in (200, 404):
+                raise RuntimeError(f"{url}: unloading adapter {label} failed ({response.status_code}): {response.text}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Records and reports.
 
@@ -297,9 +308,11 @@ async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]], plan
                 await run_policies(config, plan, planned, worker, results, summary)
             finally:
                 if any(path is not None for _, path in plan) and config.inference is None:
-                    # Someone else's server: leave it serving what it served before.
+                    # Someone else's server: leave it serving what it served before, without our adapters.
+                    adapters = [label for label, path in plan if path is not None and is_adapter(path)]
                     try:
                         await asyncio.to_thread(load_weights, config, "base", None)
+                        await asyncio.to_thread(unload_adapters, config, adapters)
                     except (httpx.HTTPError, RuntimeError) as e:
                         logger.warning(f"could not put the served model back: {e}")
     results_tmp.replace(out / "results.jsonl")

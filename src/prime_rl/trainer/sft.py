@@ -41,6 +41,7 @@ from prime_rl.trainer.scaffold import (
     StepMeter,
     all_reduce_sums,
     build_run,
+    exit_finished,
     load_tokenizer,
     next_rows,
     trainer_process,
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SFTConfig, "sft", argv)
     with trainer_process("sft", config, DATA_ERRORS) as (world, monitor):
         fine_tune(config, world, monitor)
+    exit_finished()
 
 
 def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:

@@ -44,6 +44,7 @@ from prime_rl.trainer.scaffold import (
     StepMeter,
     all_reduce_sums,
     build_run,
+    exit_finished,
     load_tokenizer,
     next_rows,
     trainer_process,
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             train_lora(config, world, monitor)
         else:
             train(config, world, monitor)
+    exit_finished()
 
 
 def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
