@@ -1,6 +1,6 @@
 """Several runs in one trainer vs the same runs one after the other: wall time and each run's rewards.
 
-    uv run python benchmarks/bench_multi_run.py                        # configs/reverse_text/lora.toml (needs run.sh's SFT)
+    uv run python benchmarks/bench_multi_run.py            # configs/reverse_text/multi_run/rl.toml (needs run.sh's SFT)
     uv run python benchmarks/bench_multi_run.py --config my_runs.toml --out outputs/bench-multi-run
 
 Runs `rl @ config` once with all its `[[runs]]` (one trainer, one vLLM server, one orchestrator per run), then once
@@ -72,7 +72,7 @@ def launch(config: Path, out: Path, runs: list[dict] | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=Path("configs/reverse_text/lora.toml"))
+    parser.add_argument("--config", type=Path, default=Path("configs/reverse_text/multi_run/rl.toml"))
     parser.add_argument("--out", type=Path, default=Path("outputs/bench-multi-run"))
     args = parser.parse_args()
     config, _ = load_config(RLConfig, "rl", ["@", str(args.config)])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multi-run demo on a CPU: two RL runs of LoRA adapters on the SFT model, with different learning rates, in one
-# trainer and one vLLM server (configs/reverse_text/lora.toml), then a held-out eval of the SFT model and both
+# trainer and one vLLM server (configs/reverse_text/multi_run/rl.toml), then a held-out eval of the SFT model and both
 # adapters. Builds the model and the SFT weights first (run.sh's steps 1-3) where outputs/reverse-text has none.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,5 +16,5 @@ if [ ! -f outputs/reverse-text/sft/weights/step_450/config.json ]; then
     step sft @ configs/reverse_text/sft.toml
 fi
 rm -rf outputs/reverse-text/lora outputs/reverse-text/lora-eval
-step rl @ configs/reverse_text/lora.toml
-step eval @ configs/reverse_text/lora_eval.toml
+step rl @ configs/reverse_text/multi_run/rl.toml
+step eval @ configs/reverse_text/multi_run/eval.toml
