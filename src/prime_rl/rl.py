@@ -4,9 +4,9 @@
     uv run rl --trainer @ t.toml --orchestrator @ o.toml --inference @ i.toml --max-steps 20
     uv run rl @ run.toml --bench [--bench.steps N]     # a short real run, then one throughput table
 
-Before anything starts, the shared top-level fields (model, max_steps, max_async_level, seq_len, output_dir,
-ckpt, wandb) are copied into the three sections and contradictions are refused. Then: clean stale rollouts and
-weights (or those after the resumed step), start inference and wait until it is healthy, start the
+Before anything starts, the shared top-level fields (model, max_steps, max_async_level, seq_len, tensorboard,
+output_dir, ckpt, wandb) are copied into the three sections and contradictions are refused. Then: clean stale
+rollouts and weights (or those after the resumed step), start inference and wait until it is healthy, start the
 orchestrator and the `torchrun` trainer. Every process runs in its own process group and logs to
 `{output_dir}/logs/`; the console follows the orchestrator's and trainer's step lines. When any process
 fails, or on Ctrl-C, every process group is terminated (then killed after a grace period) and `rl` exits
@@ -177,6 +177,9 @@ class RLConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Shared W&B logging: runs `<name>-trainer` and `<name>-orchestrator` in one group (`--wandb` enables)."""
 
+    tensorboard: bool | None = None
+    """Shared: TensorBoard event files of trainer and orchestrator under `{output_dir}/tensorboard/` (`--tensorboard`)."""
+
     weight_broadcast: WeightBroadcastConfig | None = None
     """Shared: how new policies reach inference (`type = "gloo"` or `"nccl"`: in memory from the trainer; on one host
     `rl` picks a free port, on several the store defaults to `deployment.master_addr`, `deployment.master_port + 1`)."""
@@ -221,7 +224,7 @@ class RLConfig(EntrypointConfig):
             _share(
                 orch.model, "served_name", inf.model.served_name, "orchestrator.model", "inference.model.served_name"
             )
-        for key in ("max_steps", "max_async_level", "seq_len"):
+        for key in ("max_steps", "max_async_level", "seq_len", "tensorboard"):
             if getattr(self, key) is not None:
                 _share(trainer, key, getattr(self, key), "trainer", key)
                 _share(orch, key, getattr(self, key), "orchestrator", key)

@@ -77,6 +77,7 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n" + BROADCAST
     config = write_config(out.parent / f"k{k}.toml", srv, out, k=k, steps=steps, extra=extra, envs=NIM_MIX)
     wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"]  # no network
+    wandb.append("--tensorboard")
     proc = start_rl(config, *wandb, log=out.parent / f"k{k}.log")
     assert proc.wait(600) == 0, (out.parent / f"k{k}.log").read_text()[-4000:]
     console = (out.parent / f"k{k}.log").read_text()
@@ -90,6 +91,7 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     rows = [m for m in orchestrator_metrics(out) if "rollouts/nim" in m]
     assert rows and all("reward/nim/first/mean" in m for m in rows)
     check_offline_wandb_runs(out, steps)
+    check_tensorboard(out, steps)
     # The policies went by broadcast, each to the server as soon as the trainer held it (it waits until taken), so
     # none was skipped; the last ones may come after the orchestrator's last batch (nobody needs them then).
     swaps = re.findall(r"policy step \d+ -> (\d+) on 1 server", (out / "logs" / "orchestrator.log").read_text())
@@ -102,6 +104,20 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     assert kept == [steps - 1, steps], kept
     checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert checkpoints == [f"step_{steps}"], checkpoints
+
+
+def check_tensorboard(out: Path, steps: int) -> None:
+    """Both processes' step metrics as TensorBoard scalars, the orchestrator's reward histograms (every 2 steps)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = {}
+    for process in ("trainer", "orchestrator"):
+        events = EventAccumulator(str(out / "tensorboard" / process), size_guidance={"scalars": 0, "histograms": 0})
+        events.Reload()
+        logged[process] = events
+    assert [e.step for e in logged["trainer"].Scalars("loss")] == list(range(1, steps + 1))
+    assert [e.step for e in logged["orchestrator"].Scalars("reward/mean")] == list(range(1, steps + 1))
+    assert logged["orchestrator"].Histograms("distribution/reward")
 
 
 def check_offline_wandb_runs(out: Path, steps: int) -> None:

@@ -184,3 +184,34 @@ def test_a_resumed_process_continues_its_run_and_a_failed_one_is_marked(tmp_path
         steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
         files.append((last["run"].run.run_id, steps, last["exit"].exit.exit_code))
     assert sorted(files) == sorted([(ids[0], [1], 1), (ids[0], [2], 0), (ids[2], [1], 0)])
+
+
+def test_tensorboard_gets_numeric_metrics_as_scalars_and_distributions_as_histograms(tmp_path):
+    """Read back with TensorBoard's own reader: what `tensorboard --logdir {output_dir}/tensorboard` shows."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = Monitor(tmp_path, "orchestrator", tensorboard=True)
+    monitor.log(1, {"reward/mean": 0.25, "samples": 64, "mfu": None, "env": "reverse-text", "done": True})
+    monitor.log(2, {"reward/mean": 0.75, "samples": 32})
+    monitor.log_distribution(2, "distribution/reward", [0.0, 0.5, 1.0, 1.0])
+    monitor.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "orchestrator"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward/mean", "samples"]  # None, strings and flags are not scalars
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("samples")] == [(1, 64.0), (2, 32.0)]
+    (histogram,) = events.Histograms("distribution/reward")
+    assert histogram.step == 2
+    values = histogram.histogram_value
+    assert (values.num, values.min, values.max, values.sum) == (4, 0.0, 1.0, 2.5)
+    assert read_lines(tmp_path / "metrics.jsonl")[1] == {"process": "orchestrator", "step": 2, "reward/mean": 0.75,
+                                                         "samples": 32}  # fmt: skip
+
+
+def test_rl_shares_tensorboard_with_trainer_and_orchestrator(tmp_path):
+    from prime_rl.rl import RLConfig
+
+    config, _ = load_config(RLConfig, "rl", ["--tensorboard"])
+    assert config.trainer.tensorboard and config.orchestrator.tensorboard
+    assert not load_config(RLConfig, "rl", [])[0].trainer.tensorboard

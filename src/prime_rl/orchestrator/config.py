@@ -180,6 +180,9 @@ class OrchestratorConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Also log to W&B, as run `<name>-orchestrator` (`--wandb` enables with defaults)."""
 
+    tensorboard: bool = False
+    """Also write TensorBoard event files (scalars, histograms) to `{output_dir}/tensorboard/orchestrator/`."""
+
     log_extras: LogExtrasConfig = LogExtrasConfig()
     """Samples and distributions logged every `interval` steps."""
 

@@ -224,7 +224,9 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     remove_steps_after(Path(output_dir) / "rollouts", progress.step)  # an earlier life's: a trainer would train them
     write_resolved_config(config, "orchestrator")  # now: a LoRA trainer takes it as this run (re)starting
 
-    monitor = Monitor(output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming)
+    monitor = Monitor(
+        output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming, config.tensorboard
+    )
     broadcast = (
         BroadcastClient(config.weight_broadcast, config.stall_timeout) if config.weight_broadcast.in_memory else None
     )

@@ -240,6 +240,9 @@ class TrainerConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Also log to W&B, as run `<name>-trainer` (`--wandb` enables with defaults)."""
 
+    tensorboard: bool = False
+    """Also write TensorBoard event files (scalars, histograms) to `{output_dir}/tensorboard/trainer/`."""
+
     bench: TrainerBenchConfig | None = None
     """Benchmark on fake data instead of training on rollouts (`--bench` enables); prints a summary table."""
 

@@ -231,8 +231,9 @@ class Runs:
                 monitor = self.monitor
             else:
                 wandb = self.config.wandb if config.wandb is None else config.wandb
+                tensorboard = self.config.tensorboard or config.tensorboard  # the trainer's or the run's
                 monitor = Monitor(joining.path, "trainer", wandb, config.model_dump(mode="json"),
-                                  resume=joining.resume_step is not None)  # fmt: skip
+                                  joining.resume_step is not None, tensorboard)  # fmt: skip
             logger.info(f"run {joining.name} joins in slot {joining.slot} at step {progress.step} "
                         f"(lr {optim.lr:g}, max_steps {max_steps})")  # fmt: skip
         mtime = _mtime(joining.path / RUN_CONFIG) or 0.0

@@ -76,7 +76,8 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
             setup_logging(role, config.log.level, config.output_dir / "logs", file_name=config.log.file)
             write_resolved_config(config, role)
             resume = config.ckpt is not None and config.ckpt.resuming
-            monitor = Monitor(config.output_dir, role, config.wandb, config.model_dump(mode="json"), resume)
+            run_config = config.model_dump(mode="json")
+            monitor = Monitor(config.output_dir, role, config.wandb, run_config, resume, config.tensorboard)
         yield world, monitor
         exit_code = 0
     except (*errors, *SETUP_ERRORS) as e:

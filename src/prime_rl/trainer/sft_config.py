@@ -76,6 +76,9 @@ class SFTConfig(EntrypointConfig):
     wandb: WandbConfig | None = None
     """Also log to W&B, as run `<name>-sft` (`--wandb` enables with defaults)."""
 
+    tensorboard: bool = False
+    """Also write TensorBoard event files (scalars, histograms) to `{output_dir}/tensorboard/sft/`."""
+
     bench: TrainerBenchConfig | None = None
     """Benchmark on fake rows instead of `data` (`--bench` enables): no exports, no checkpoints; prints a table
     (with `model.lora`, of training the adapter)."""

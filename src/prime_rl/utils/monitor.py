@@ -1,6 +1,7 @@
-"""One monitoring interface per process, with sinks: `{output_dir}/metrics.jsonl` always, W&B when configured.
+"""One monitoring interface per process, with sinks: `{output_dir}/metrics.jsonl` always, W&B and TensorBoard when
+configured.
 
-    monitor = Monitor(output_dir, "trainer", config.wandb, config.model_dump(mode="json"))
+    monitor = Monitor(output_dir, "trainer", config.wandb, config.model_dump(mode="json"), tensorboard=True)
     monitor.log(step, {"loss": 0.1})
     metrics |= monitor.log_distribution(step, "distribution/reward", rewards)
     monitor.log_table(step, "samples", ["prompt", "completion"], rows)
@@ -11,6 +12,10 @@ training step (`step=`), so the trainer's and the orchestrator's curves line up.
 checkpoint continues its W&B run (the id is kept in `{output_dir}/wandb/<process>.run-id`); W&B ignores steps
 at or below the last one it has, so the steps redone after a crash keep their first values there, while
 metrics.jsonl gets a line for each.
+
+TensorBoard event files go to `{output_dir}/tensorboard/<process>/` (`tensorboard --logdir {output_dir}/tensorboard`
+shows every process of the run): each numeric metric as a scalar at its step, each distribution as a histogram. A
+resumed process adds a new event file there; TensorBoard shows both, the redone steps twice.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from prime_rl.utils.metrics import append_metrics
 from prime_rl.utils.monitor_config import WandbConfig
 
 QUANTILES = (10, 50, 90)
-"""Percentiles of a distribution kept in metrics.jsonl (the full histogram goes to W&B only)."""
+"""Percentiles of a distribution kept in metrics.jsonl (the full histogram goes to W&B and TensorBoard only)."""
 
 
 class MonitorError(RuntimeError):
@@ -50,17 +55,28 @@ class Monitor:
         wandb_config: WandbConfig | None = None,
         run_config: dict[str, Any] | None = None,
         resume: bool = False,
+        tensorboard: bool = False,
     ):
         self.output_dir, self.process = Path(output_dir), process
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.run = None
         if wandb_config is not None:
             self.run = _init_wandb(self.output_dir, process, wandb_config, run_config or {}, resume)
+        self.tensorboard = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # only when asked: it needs the tensorboard package
+
+            self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard" / process))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         append_metrics(self.output_dir, self.process, step, metrics)
         if self.run is not None:
             self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()  # a crashed process keeps what it logged
 
     def log_distribution(self, step: int, name: str, values: list[float]) -> dict[str, float]:
         """W&B gets a histogram; returns `name/{mean,std,min,max,p10,p50,p90}` for the caller to add to the step's
@@ -71,6 +87,8 @@ class Monitor:
             import wandb
 
             self.run.log({name: wandb.Histogram(values)}, step=step)
+        if self.tensorboard is not None:
+            self.tensorboard.add_histogram(name, np.asarray(values, dtype=np.float64), step)
         return distribution_summary(name, values)
 
     def log_table(self, step: int, name: str, columns: list[str], rows: list[list[Any]]) -> None:
@@ -88,6 +106,9 @@ class Monitor:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
 
 def _init_wandb(output_dir: Path, process: str, config: WandbConfig, run_config: dict[str, Any], resume: bool):
