@@ -290,7 +290,6 @@ class RLConfig(EntrypointConfig):
                     f"trainer.max_concurrent_runs = {trainer.max_concurrent_runs}: [[runs]] needs a slot for each of "
                     f"its {runs} run(s) in output_dir/run_<name> (and at least 2)"
                 )
-            self.run_orchestrators()  # every run's config is valid now, not when its orchestrator starts
         elif self.orchestrator.adapter is None:
             self.orchestrator.adapter = AdapterConfig(name="lora")
         if inf is None:
@@ -348,7 +347,8 @@ class RLConfig(EntrypointConfig):
 
     def _check_agreement(self) -> None:
         """Fields no shared value was given for must still agree between the sections (with `runs`: between the
-        trainer and every run, whose length, async level and checkpoints are its own)."""
+        trainer and every run, whose length, async level and checkpoints are its own; building the runs' configs
+        here also finds an invalid one now, not when its orchestrator starts)."""
         if self.runs:
             for orch in self.run_orchestrators().values():
                 self._check_orchestrator(orch, f"runs.{orch.adapter.name}")
@@ -600,9 +600,9 @@ def build_processes(
     if "orchestrator" in roles:
         env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
         for role, orch in orchs.items():
-            cfg = write_section(orch, launch_dir / f"{role.replace('/', '.')}.toml")
-            cmd = [str(BIN / "orchestrator"), "@", str(cfg)]
-            processes[role] = Process(role, cmd, env, log_dir / f"{role.replace('/', '.')}{tag}.out")
+            stem = role.replace("/", ".")  # orchestrator/<run> -> orchestrator.<run>.toml, .out
+            cmd = [str(BIN / "orchestrator"), "@", str(write_section(orch, launch_dir / f"{stem}.toml"))]
+            processes[role] = Process(role, cmd, env, log_dir / f"{stem}{tag}.out")
     if "trainer" in roles:
         env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)), "OMP_NUM_THREADS": "1"}
         cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
@@ -653,7 +653,6 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig]) -> int:
 
     stop_following = threading.Event()
     followed = {role: Path(orch.output_dir) / "logs" / "orchestrator.log" for role, orch in orchs.items()}
-    followed = {role: path for role, path in followed.items() if role in processes}
     if "trainer" in processes:
         followed["trainer"] = log_dir / "trainer.log"
     follower = threading.Thread(target=follow_logs, args=(followed, stop_following))

@@ -154,11 +154,15 @@ def policies(config: EvalConfig) -> list[tuple[str, Path | None]]:
     return result
 
 
+def admin_headers(config: RolloutsConfig) -> dict[str, str]:
+    key = os.environ.get(config.client.api_key_var)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
     """Every server serves `path` (None: its own model again, `/reload_weights`) when this returns; an adapter is
     loaded beside the base model under the name `label`, which the policy's requests then give as `model`."""
-    key = os.environ.get(config.client.api_key_var)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = admin_headers(config)
     for url in config.client.base_url:
         root = url.removesuffix("/v1")
         if path is None:
@@ -176,8 +180,7 @@ def load_weights(config: RolloutsConfig, label: str, path: Path | None) -> None:
 
 
 def unload_adapters(config: RolloutsConfig, labels: list[str]) -> None:
-    key = os.environ.get(config.client.api_key_var)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = admin_headers(config)
     for url in config.client.base_url:
         for label in labels:
             body = {"lora_name": label}

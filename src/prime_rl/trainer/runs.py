@@ -131,6 +131,8 @@ class Runs:
         changes = Changes()
         now = time.monotonic()
         present = {p.name if self.config.max_concurrent_runs > 1 else "run": p for p in self.directories()}
+        # Probed once per look and before any batch is looked for: an orchestrator seen gone wrote all it ever will.
+        gone = {name for name, path in present.items() if orchestrator_gone(path)}
         for name, run in self.active.items():
             mtime = _mtime(run.path / RUN_CONFIG)
             if name not in present or mtime is None:
@@ -139,7 +141,7 @@ class Runs:
                 changes.leaving[name] = "its orchestrator restarted (new config): it rejoins from its checkpoint"
             elif run.max_steps is not None and run.progress.step >= run.max_steps:
                 changes.leaving[name] = f"finished ({run.max_steps} steps)"
-            elif not run.next_batch.exists() and orchestrator_gone(run.path):
+            elif name in gone and not run.next_batch.exists():
                 changes.leaving[name] = f"failed: its orchestrator exited before writing {run.next_batch}"
             elif timeout is not None and now - run.waiting_since > timeout:
                 changes.leaving[name] = f"failed: no batch {run.next_batch} within {timeout:g} s (batch_timeout)"
@@ -154,7 +156,7 @@ class Runs:
             if mtime is None:
                 self.first_seen.setdefault(name, now)
                 continue
-            if self.ended.get(name) == mtime or orchestrator_gone(path):  # a run of an earlier launch: not coming
+            if self.ended.get(name) == mtime or name in gone:  # e.g. a run of an earlier launch: not coming
                 continue
             try:
                 config = read_run_config(path)
@@ -187,8 +189,8 @@ class Runs:
             step = joining.resume_step or 0
             if (joining.path / "rollouts" / f"step_{step + 1}" / "batch.bin").exists():
                 changes.ready.append(joining.name)
-        pending = [n for n, p in present.items() if n not in self.ended and n not in self.active and n not in
-                   {j.name for j in changes.joining} and not orchestrator_gone(p)]  # fmt: skip
+        pending = [n for n in present if n not in self.ended and n not in self.active and n not in
+                   {j.name for j in changes.joining} and n not in gone]  # fmt: skip
         stays = set(self.active) - set(changes.leaving) | {j.name for j in changes.joining}
         self.seen_any = self.seen_any or bool(stays)
         changes.done = self.seen_any and not stays and not pending
