@@ -54,9 +54,9 @@ def rewards(run_dir: Path) -> tuple[float, float]:
     return sum(values[:3]) / len(values[:3]), sum(values[-3:]) / len(values[-3:])
 
 
-def launch(config: Path, out: Path, runs: list[dict] | None) -> dict:
-    """One `rl` from scratch into `out` (with `runs`: only those); its times."""
-    args = [RL, "@", str(config), "--output-dir", str(out)]
+def launch(config: Path, out: Path, runs: list[dict] | None, flags: list[str] = ()) -> dict:
+    """One `rl` from scratch into `out` (with `runs`: only those; `flags`: more CLI flags); its times."""
+    args = [RL, "@", str(config), "--output-dir", str(out), *flags]
     if runs is not None:
         args += ["--runs", json.dumps(runs)]
     start = time.perf_counter()

@@ -1,0 +1,109 @@
+"""Advantage estimators and policy losses side by side on reverse-text: held-out reward and wall time per choice.
+
+    uv run python benchmarks/bench_algorithms.py                      # every variant below (needs run.sh's SFT)
+    uv run python benchmarks/bench_algorithms.py --variants grpo,rloo --out outputs/bench-algorithms
+
+Each variant is one `rl @ configs/reverse_text/rl.toml` from the same SFT weights with the same settings (steps,
+batch, task seed 0, trainer seed, learning rate) and one or two keys changed; each runs from scratch into its own
+output dir, one after the other. Then one `eval` (a single vLLM server, `/update_weights` between policies) scores
+the SFT policy and every variant's last policy on the demo's 200 held-out tasks (taskset seed 1, 2 rollouts each).
+Prints per variant: the keys it sets, held-out reward (mean ± std over rollouts), training reward (orchestrator's
+`reward/mean`, mean of the last three steps), the `rl` wall time and that time without vLLM's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import tomli_w
+from bench_multi_run import launch
+
+from prime_rl.utils.bench import Column, format_bench_table
+
+EVAL = str(Path(sys.executable).parent / "eval")
+
+VARIANTS: dict[str, list[str]] = {
+    "grpo": [],  # the demo's own settings: group-mean baseline (Dr. GRPO), truncated-IS REINFORCE loss (aipo)
+    "grpo-std-clip": ["--orchestrator.advantage.std-normalize", "--trainer.loss.objective", "grpo"],
+    "rloo": ["--orchestrator.advantage.estimator", "rloo"],
+    "gspo": ["--trainer.loss.objective", "gspo"],
+    "cispo": ["--trainer.loss.objective", "cispo"],
+    "reinforce-pp": ["--orchestrator.advantage.estimator", "reinforce_pp"],
+    "gpg": ["--orchestrator.advantage.estimator", "gpg"],
+    "ppo-critic": ["--trainer.critic"],
+    "grpo-ref-kl": ["--trainer.reference.beta", "0.05"],
+}
+"""Name -> the `rl` flags that make the variant (on top of configs/reverse_text/rl.toml)."""
+
+COLUMNS = [
+    Column("variant", "variant", "s"),
+    Column("flags", "flags", "s"),
+    Column("held-out reward", "heldout", "s"),
+    Column("train reward last 3", "train_last", ".3f"),
+    Column("rl wall s", "wall", ".0f"),
+    Column("without vLLM start s", "rest", ".0f"),
+]
+
+
+def train_reward_last3(run_dir: Path) -> float:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if m["process"] == "orchestrator"]
+    values = [m["reward/mean"] for m in sorted(steps, key=lambda m: m["step"])][-3:]
+    return sum(values) / len(values)
+
+
+def evaluate(eval_config: Path, out: Path, policies: dict[str, Path]) -> dict[str, dict]:
+    """One `eval` of `policies` (label -> weights dir) plus the SFT policy it serves; label -> reward summary."""
+    config = tomllib.loads(eval_config.read_text()) | {"weights": {label: str(p) for label, p in policies.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-eval.toml").write_text(tomli_w.dumps(config))  # the CLI would merge into eval.toml's [weights]
+    args = [EVAL, "@", str(out / "bench-eval.toml"), "--output-dir", str(out)]
+    done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {p["label"]: next(iter(p["envs"].values())) for p in summary["policies"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/reverse_text/rl.toml"))
+    parser.add_argument("--eval-config", type=Path, default=Path("configs/reverse_text/eval.toml"))
+    parser.add_argument("--sft", type=Path, default=Path("outputs/reverse-text/sft/weights/step_450"))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench-algorithms"))
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+
+    times = {}
+    for name in names:
+        out = args.out / name
+        print(f"{name}: rl @ {args.config} --output-dir {out} {' '.join(VARIANTS[name])}", flush=True)
+        start = time.perf_counter()
+        times[name] = launch(args.config, out, None, VARIANTS[name])
+        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+    policies = {name: args.out / name / "broadcasts" for name in names}
+    scores = evaluate(args.eval_config, args.out / "eval", {"sft": args.sft} | policies)
+
+    rows = []
+    for name in ["sft", *names]:
+        score = scores[name]
+        row = {"variant": name, "flags": " ".join(VARIANTS.get(name, ["(the RL start)"])) or "(demo defaults)"}
+        row["heldout"] = f"{score['reward_mean']:.3f} ± {score['reward_std']:.3f}"
+        if name in times:
+            row |= times[name] | {"train_last": train_reward_last3(args.out / name)}
+        rows.append(row)
+    print("\n".join(format_bench_table(rows, COLUMNS).splitlines()[:-1]))  # no per-step summary line
+
+
+if __name__ == "__main__":
+    main()
