@@ -84,4 +84,3 @@ def test_our_server_as_the_judge(tied_server, verifiers_loop, monkeypatch):
     assert len(verdicts) == judged
     assert sum(r.metrics["judge_failed/unparsable"] for r in rollouts) == verdicts.count(None)
     assert sum(r.reward for r in rollouts) == verdicts.count("CORRECT")
-    print(f"judge verdicts: {verdicts}")
