@@ -164,6 +164,8 @@ def reinforce_pp_baseline_advantages(advantages: Tensor, eps: float = 1e-6) -> T
     The group mean keeps the per-prompt baseline; the batch std (population) sets one scale for all prompts instead
     of GRPO's per-group one, which blows up groups with a small spread.
     """
+    if not bool(advantages.ne(0).any()):  # no signal anywhere: 0, also with eps = 0
+        return torch.zeros_like(advantages)
     return advantages / (advantages.std(unbiased=False) + eps)
 
 
