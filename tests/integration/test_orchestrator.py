@@ -301,14 +301,34 @@ def test_environment_mix_follows_ratios(tied_server, tmp_path_factory):
 
 
 def test_failing_reward_is_counted_and_the_run_goes_on(tied_server):
-    """An environment whose reward raises on half its tasks: those rollouts are errors, excluded; batches fill."""
+    """An environment whose reward raises on half its tasks: those rollouts are errors, excluded; batches fill.
+
+    Also runs `reinforce_pp` and temperature scaling: the tiny random model never writes the exact answer, so every
+    reward is 0. Reinforce++'s batch normalisation of an all-equal batch gives exact zeros (not NaN), and every
+    scored group (rewards all equal) raises the env's temperature by 1.1, capped at 1.5. Each step takes at least 2
+    scored groups of 4, so after step 3 at least 6 were seen: 1.1^6 > 1.5, the cap."""
     srv = tied_server
     out = srv.root / "runs" / "flaky"
-    run_orchestrator(srv, out, "--max-steps", "3", "--max-async-level", "4", "--env", '[{"id": "vf-flaky-env"}]')
+    run_orchestrator(
+        srv, out, "--max-steps", "3", "--max-async-level", "4", "--env", '[{"id": "vf-flaky-env"}]',
+        "--advantage.estimator", "reinforce_pp", "--sampling.temperature-scaling",
+    )  # fmt: skip
     rows = metrics(out)
     assert len(rows) == 3 and sum(m["errors"] for m in rows) > 0
+    assert all(m["reward/mean"] == 0 for m in rows)  # what the rest assumes
+    allowed, t = {1.0}, 1.0  # the values 1.0 * 1.1 * 1.1 ... capped at 1.5 take, in the controller's arithmetic
+    for _ in range(10):
+        t = min(t * 1.1, 1.5)
+        allowed.add(t)
+    temperatures = [m["sampling/temperature/vf-flaky-env"] for m in rows]
+    assert temperatures == sorted(temperatures) and temperatures[0] >= 1.1**2 and temperatures[-1] == 1.5
+    sampled = set()
     for n in (1, 2, 3):
-        assert len(read_batch(batch_path(out, n)).samples) == 8
+        batch = read_batch(batch_path(out, n))
+        assert len(batch.samples) == 8
+        assert all(a == 0.0 for s in batch.samples for a in s.advantages)
+        sampled |= {s.temperature for s in batch.samples}
+    assert sampled <= allowed and 1.0 in sampled and max(sampled) > 1.0, sampled  # groups started after a raise
 
 
 def test_bench_measures_the_served_weights_and_writes_nothing_a_trainer_reads(tied_server):

@@ -1,6 +1,7 @@
-"""Advantage estimators: hand-derived values, exact zeros for equal-reward groups, config dispatch.
+"""Advantage estimators: hand-derived values, exact zeros for equal-reward groups, the batch stage, the running
+mean baseline, config dispatch.
 
-Notation: G the group size, r the rewards of one group, L the completion lengths in tokens.
+Notation: G the group size, r the rewards of one group, L the completion lengths in tokens, B the batch.
 """
 
 import math
@@ -11,9 +12,13 @@ from pydantic import ValidationError
 
 from prime_rl.orchestrator.advantage import (
     AdvantageConfig,
+    RunningMean,
     compute_advantages,
+    group_has_signal,
     grpo_advantages,
+    normalize_batch_advantages,
     opo_advantages,
+    reinforce_advantages,
     rloo_advantages,
     zero_advantage_groups,
 )
@@ -157,9 +162,139 @@ def test_dtype_kept_and_ints_accepted():
 
 def test_config():
     config = AdvantageConfig()
-    assert (config.estimator, config.std_normalize, config.eps) == ("grpo", False, 1e-6)
+    assert (config.estimator, config.std_normalize, config.eps, config.baseline_decay) == ("grpo", False, 1e-6, 0.9)
+    with pytest.raises(ValidationError, match="std_normalize applies to the grpo estimator only, not rloo"):
+        AdvantageConfig(estimator="rloo", std_normalize=True)
+    with pytest.raises(ValidationError, match="baseline_decay"):
+        AdvantageConfig(estimator="reinforce_mean", baseline_decay=1.0)  # 1 would never forget the first batch
     with pytest.raises(ValidationError):
         AdvantageConfig(estimator="ppo")
     with pytest.raises(ValidationError):
         AdvantageConfig(unknown=1)
     assert all(field.description for field in AdvantageConfig.model_fields.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Estimators without a group baseline, and the batch stage.
+
+
+def ragged(actual, expected, tol=1e-12):
+    """Ragged lists of lists equal in shape and, element-wise, within `tol` (rounding of a few float64 ops)."""
+    assert [len(g) for g in actual] == [len(g) for g in expected]
+    return [x for g in actual for x in g] == pytest.approx([x for g in expected for x in g], abs=tol, rel=tol)
+
+
+def batch_stage(groups, estimator, tokens=None, eps=0.0):
+    """`normalize_batch_advantages` on ragged groups given as lists; eps=0 so results are the exact formulas."""
+    config = AdvantageConfig(estimator=estimator, eps=eps)
+    tokens = [t(w) for w in tokens] if tokens is not None else None
+    return [g.tolist() for g in normalize_batch_advantages([t(g) for g in groups], config, tokens)]
+
+
+def test_reinforce_is_the_reward_minus_a_constant_baseline():
+    close(reinforce_advantages(t(REWARDS)), REWARDS)
+    # b = 0.5: [1, 0, 0, 1] -> [0.5, -0.5, -0.5, 0.5]; [2, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5]
+    close(reinforce_advantages(t(REWARDS), 0.5), [[0.5, -0.5, -0.5, 0.5], [1.5, -0.5, -0.5, -0.5]])
+    # No group baseline: a constant group keeps its signal (every rollout of an always-solved prompt reinforced).
+    close(reinforce_advantages(t(CONSTANT)), CONSTANT, tol=0)
+    close(compute_advantages(t(REWARDS), None, AdvantageConfig(estimator="reinforce_mean"), baseline=0.5),
+          [[0.5, -0.5, -0.5, 0.5], [1.5, -0.5, -0.5, -0.5]])  # fmt: skip
+    close(compute_advantages(t(REWARDS), None, AdvantageConfig(estimator="reinforce")), REWARDS, tol=0)
+    close(compute_advantages(t(REWARDS), None, AdvantageConfig(estimator="reinforce_pp")), REWARDS, tol=0)
+    for estimator in ("reinforce_pp_baseline", "gpg"):  # their group stage is the group mean
+        close(
+            compute_advantages(t(REWARDS), None, AdvantageConfig(estimator=estimator)),
+            grpo_advantages(t(REWARDS)).tolist(),
+        )
+
+
+def test_reinforce_pp_normalises_over_the_whole_batch():
+    # B = [1, 0, 0, 1, 2, 0, 0, 0]: mean 4/8 = 0.5, deviations [0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5],
+    # population var = (7 · 0.25 + 2.25) / 8 = 0.5, std 1/√2 -> deviations · √2.
+    s = math.sqrt(2)
+    assert ragged(
+        batch_stage(REWARDS, "reinforce_pp"), [[s / 2, -s / 2, -s / 2, s / 2], [1.5 * s, -s / 2, -s / 2, -s / 2]]
+    )
+    # Ragged groups [1, 0] and [1, 1, 1]: mean 0.8, deviations [0.2, -0.8, 0.2, 0.2, 0.2], var (4·0.04 + 0.64)/5 =
+    # 0.16, std 0.4 -> [0.5, -2, 0.5, 0.5, 0.5]: the constant group gets a (positive) signal from the batch.
+    assert ragged(batch_stage([[1.0, 0.0], [1.0, 1.0, 1.0]], "reinforce_pp"), [[0.5, -2.0], [0.5, 0.5, 0.5]])
+    # eps = 1e-6: ±0.5 / (0.5 + 1e-6) for [1, 0] (mean 0.5, std 0.5).
+    assert ragged(batch_stage([[1.0, 0.0]], "reinforce_pp", eps=1e-6), [[0.5 / 0.500001, -0.5 / 0.500001]])
+    # A batch of equal rewards (0.1 · 4 / 4 is not 0.1 in floating point): exact zeros, not NaN or noise.
+    assert batch_stage([[0.1, 0.1, 0.1], [0.1]], "reinforce_pp") == [[0.0, 0.0, 0.0], [0.0]]
+
+
+def test_reinforce_pp_baseline_divides_group_centred_rewards_by_the_batch_std():
+    # Group stage (r - group mean): [1, 0] -> [0.5, -0.5]; [2, 0, 0, 0] -> [1.5, -0.5 ×3]; [0.7, 0.7] -> [0, 0].
+    groups = [[1.0, 0.0], [2.0, 0.0, 0.0, 0.0], [0.7, 0.7]]
+    centred = [grpo_advantages(t([g]))[0].tolist() for g in groups]
+    assert centred == [[0.5, -0.5], [1.5, -0.5, -0.5, -0.5], [0.0, 0.0]]
+    # Batch: mean 0 (each group sums to 0), population var = (0.25 · 5 + 2.25) / 8 = 3.5 / 8 = 7/16, std √7/4.
+    k = 4 / math.sqrt(7)
+    result = batch_stage(centred, "reinforce_pp_baseline")
+    assert ragged(result[:2], [[0.5 * k, -0.5 * k], [1.5 * k, -0.5 * k, -0.5 * k, -0.5 * k]])
+    assert result[2] == [0.0, 0.0]  # the constant group stays exactly 0 (no batch mean subtracted)
+    assert batch_stage([[0.0, 0.0]], "reinforce_pp_baseline") == [[0.0, 0.0]]  # no signal: 0, not 0 / (0 + eps=0)
+
+
+def test_gpg_scales_by_the_share_of_the_batch_with_signal():
+    centred = [[0.5, -0.5], [1.5, -0.5, -0.5, -0.5], [0.0, 0.0]]
+    # Rollouts: B = 8, M = 2 in the signal-less group -> alpha = 8 / 6 = 4/3.
+    a = 4 / 3
+    assert ragged(batch_stage(centred, "gpg"), [[0.5 * a, -0.5 * a], [2.0, -0.5 * a, -0.5 * a, -0.5 * a], [0, 0]])
+    # Loss tokens [3, 1], [1, 1, 1, 1], [2, 4]: 14 in all, 8 with signal -> alpha = 14 / 8 = 7/4.
+    tokens = [[3, 1], [1, 1, 1, 1], [2, 4]]
+    b = 7 / 4
+    assert ragged(
+        batch_stage(centred, "gpg", tokens), [[0.5 * b, -0.5 * b], [1.5 * b, -0.5 * b, -0.5 * b, -0.5 * b], [0, 0]]
+    )
+    assert batch_stage(centred[:2], "gpg") == centred[:2]  # every group has signal: alpha 1
+    assert batch_stage([[0.0, 0.0]], "gpg") == [[0.0, 0.0]]  # no signal at all: zeros, no division by 0
+
+
+def test_estimators_without_a_batch_stage_pass_through():
+    groups = [t([0.5, -0.5]), t([1.0])]
+    for estimator in ("grpo", "rloo", "opo", "reinforce", "reinforce_mean"):
+        assert normalize_batch_advantages(groups, AdvantageConfig(estimator=estimator)) is groups
+
+
+def test_which_groups_can_carry_a_signal_per_estimator():
+    for estimator in ("grpo", "rloo", "opo", "reinforce_pp_baseline", "gpg"):  # group baseline: rewards must differ
+        assert [group_has_signal(r, estimator) for r in ([1.0, 1.0], [0.0, 0.0], [1.0, 0.0])] == [False, False, True]
+    # A = r: only an all-zero group has nothing to reinforce.
+    assert [group_has_signal(r, "reinforce") for r in ([1.0, 1.0], [0.0, 0.0], [1.0, 0.0])] == [True, False, True]
+    for estimator in ("reinforce_mean", "reinforce_pp"):  # the baseline comes with the batch
+        assert group_has_signal([0.0, 0.0], estimator)
+
+
+def test_running_mean_is_a_bias_corrected_exponential_mean_of_batch_means():
+    mean = RunningMean(decay=0.5)
+    assert mean.value("a") == 0.0  # before any batch: plain REINFORCE
+    mean.update({"a": 1.0})
+    assert mean.value("a") == 1.0  # sum 1, weight 1: the first batch's mean, not (1 - decay) of it
+    mean.update({"a": 0.0, "b": 2.0})
+    # a: (0.5 · 1 + 0) / (0.5 + 1) = 1/3; b starts now: 2
+    assert (mean.value("a"), mean.value("b")) == (pytest.approx(1 / 3), 2.0)
+    mean.update({"a": 1.0})
+    # a: batch means 1, 0, 1 weighted 0.25, 0.5, 1 -> 1.25 / 1.75 = 5/7; b had no rollouts in this batch: unchanged
+    assert (mean.value("a"), mean.value("b")) == (pytest.approx(5 / 7), 2.0)
+    last = RunningMean(decay=0.0)
+    last.update({"a": 1.0})
+    last.update({"a": 0.25})
+    assert last.value("a") == 0.25  # decay 0: the previous batch's mean
+
+
+def test_running_mean_state_round_trips_and_continues_identically():
+    import json
+
+    mean = RunningMean(decay=0.9)
+    for m in (0.2, 0.7, 0.4):
+        mean.update({"a": m, "b": 1 - m})
+    restored = RunningMean(decay=0.9)
+    restored.load_state_dict(json.loads(json.dumps(mean.state_dict())))
+    for m in (0.9, 0.1):
+        mean.update({"a": m})
+        restored.update({"a": m})
+    assert (restored.value("a"), restored.value("b")) == (mean.value("a"), mean.value("b"))  # bitwise
+    with pytest.raises(ValueError, match="baseline_decay is 0.5, the checkpoint's running mean was built with 0.9"):
+        RunningMean(decay=0.5).load_state_dict(mean.state_dict())

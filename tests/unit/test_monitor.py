@@ -130,7 +130,7 @@ def test_rl_shares_wandb_with_trainer_and_orchestrator(tmp_path, capsys):
 
 def test_orchestrator_log_extras(tmp_path):
     from prime_rl.orchestrator.config import LogExtrasConfig
-    from prime_rl.orchestrator.orchestrator import group_samples, log_extras
+    from prime_rl.orchestrator.orchestrator import batch_samples, log_extras
     from prime_rl.orchestrator.samples import SampleTokens
     from prime_rl.orchestrator.scheduler import Group
     from prime_rl.orchestrator.worker import RolloutResult
@@ -144,7 +144,7 @@ def test_orchestrator_log_extras(tmp_path):
             group.rollouts.append(RolloutResult(reward=i / 3, samples=[sample], prompt=f"p{g}", completion=f"c{i}"))
         groups.append(group)
     config = OrchestratorConfig()
-    advantages = [a for g in groups for a in group_samples(g, config)[1]]
+    advantages = batch_samples(groups, config)[1]
     monitor = Monitor(tmp_path, "orchestrator")
     dists = log_extras(10, groups, advantages, monitor, LogExtrasConfig())
     (table,) = read_lines(tmp_path / "tables.jsonl")

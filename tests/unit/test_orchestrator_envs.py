@@ -10,7 +10,7 @@ import verifiers.v1 as vf
 from prime_rl.orchestrator.buffer import Buffer, BufferConfig
 from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import env_config_data, load_env, load_tasks
-from prime_rl.orchestrator.orchestrator import group_samples
+from prime_rl.orchestrator.orchestrator import batch_samples
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.orchestrator.scheduler import Group, Liveness, StallError
 from prime_rl.orchestrator.worker import RolloutResult, untrainable_sampling
@@ -104,7 +104,7 @@ def test_advantages_are_per_seat_and_idle_seats_join_the_baseline_untrained():
     second.append(RolloutResult(reward=0.0, samples=[], seat="second"))
     group = Group(0, "nim", 0, {}, 0, "u", rollouts=first + second)
     config = OrchestratorConfig(advantage={"estimator": "rloo"}, rollouts_per_example=3, batch_size=3)
-    samples, advantages, singletons = group_samples(group, config)
+    samples, advantages, singletons = batch_samples([group], config)
     assert advantages == pytest.approx([0.5, -1.0, 0.5, -0.5, 1.0, -0.5])
     assert len(samples) == 5 and singletons == 0  # the idle rollout has no sample
     assert [s.advantages[0] for s in samples] == pytest.approx([0.5, -1.0, 0.5, -0.5, 1.0])
@@ -113,13 +113,13 @@ def test_advantages_are_per_seat_and_idle_seats_join_the_baseline_untrained():
 def test_a_seat_with_one_surviving_rollout_gets_zero_and_is_counted():
     group = Group(0, "e", 0, {}, 0, "u", rollouts=[RolloutResult(reward=1.0, samples=[sample(3)])])
     config = OrchestratorConfig(advantage={"estimator": "rloo"}, rollouts_per_example=4, batch_size=4)
-    samples, advantages, singletons = group_samples(group, config)
+    samples, advantages, singletons = batch_samples([group], config)
     assert advantages == [0.0] and singletons == 1 and samples[0].advantages == [0.0] * 3
 
 
 def test_samples_carry_the_temperature_their_seat_sampled_with():
     rollouts = [RolloutResult(reward=float(i), samples=[sample(3)], temperature=0.7) for i in range(2)]
-    samples, _, _ = group_samples(Group(0, "e", 0, {}, 0, "u", rollouts=rollouts), OrchestratorConfig())
+    samples, _, _ = batch_samples([Group(0, "e", 0, {}, 0, "u", rollouts=rollouts)], OrchestratorConfig())
     assert {s.temperature for s in samples} == {0.7}
 
 

@@ -1,7 +1,8 @@
-"""Orchestrator checkpoints: progress and buffer, at the trainer's checkpoint steps.
+"""Orchestrator checkpoints: progress and the state of the parts that keep one, at the trainer's checkpoint steps.
 
-Layout: `checkpoints/step_n/orchestrator/{progress,buffer}.json`, written as one directory that appears
-atomically, so a directory that exists is complete. `step_n` means batches 1..n were written: a resumed
+Layout: `checkpoints/step_n/orchestrator/progress.json` and one `<name>.json` per state (`buffer`, and where
+enabled `advantage_baseline` of `reinforce_mean` and `temperature` of the temperature scaling), written as one
+directory that appears atomically, so a directory that exists is complete. `step_n` means batches 1..n were written: a resumed
 orchestrator writes batch n+1 next, which is what a trainer resumed from its step-n checkpoint reads next.
 """
 
@@ -51,13 +52,15 @@ def resolve_resume_step(output_dir: Path, requested: int) -> int:
     return requested
 
 
-def save(output_dir: Path, progress: Progress, buffer_state: dict, config: CheckpointConfig) -> Path:
-    """Write step `progress.step`'s checkpoint, then delete those `config.keep_last` / `keep_interval` drop (as the
-    trainer does with its own, so a step keeps both halves or neither)."""
+def save(output_dir: Path, progress: Progress, states: dict[str, dict], config: CheckpointConfig) -> Path:
+    """Write step `progress.step`'s checkpoint (`states`: name -> JSON-able state), then delete those
+    `config.keep_last` / `keep_interval` drop (as the trainer does with its own, so a step keeps both halves or
+    neither)."""
     target = ckpt_dir(output_dir, progress.step)
     with atomic_dir(target) as tmp:
         (tmp / "progress.json").write_text(json.dumps(asdict(progress)))
-        (tmp / "buffer.json").write_text(json.dumps(buffer_state))
+        for name, state in states.items():
+            (tmp / f"{name}.json").write_text(json.dumps(state))
     steps = saved_steps(output_dir)
     for step in set(steps) - config.kept(steps):
         shutil.rmtree(ckpt_dir(output_dir, step), ignore_errors=True)
@@ -66,7 +69,9 @@ def save(output_dir: Path, progress: Progress, buffer_state: dict, config: Check
     return target
 
 
-def load(output_dir: Path, step: int) -> tuple[Progress, dict]:
+def load(output_dir: Path, step: int) -> tuple[Progress, dict[str, dict]]:
+    """Progress and the saved states by name (a state the saving run did not keep is absent)."""
     path = ckpt_dir(output_dir, step)
     progress = Progress(**json.loads((path / "progress.json").read_text()))
-    return progress, json.loads((path / "buffer.json").read_text())
+    states = {p.stem: json.loads(p.read_text()) for p in sorted(path.glob("*.json")) if p.name != "progress.json"}
+    return progress, states

@@ -18,14 +18,29 @@ from prime_rl.utils.monitor_config import WandbConfig
 
 
 class AdvantageConfig(BaseConfig):
-    estimator: Literal["grpo", "rloo", "opo"] = "grpo"
-    """Advantage estimator: `grpo` (group-mean baseline), `rloo` (leave-one-out mean), `opo` (length-weighted mean)."""
+    estimator: Literal[
+        "grpo", "rloo", "opo", "reinforce", "reinforce_mean", "reinforce_pp", "reinforce_pp_baseline", "gpg"
+    ] = "grpo"
+    """Advantage estimator (docs/algorithms.md): `grpo` (group mean), `rloo` (leave-one-out mean), `opo`
+    (length-weighted mean), `reinforce` (the reward), `reinforce_mean` (reward - running mean of past batches),
+    `reinforce_pp` (reward normalised over the batch), `reinforce_pp_baseline` (group mean, then / batch std), `gpg`
+    (group mean, scaled up by the share of the batch with signal)."""
 
     std_normalize: bool = False
     """GRPO only: divide by the group's reward std (+eps); off is the Dr. GRPO mean-baseline form."""
 
-    eps: float = 1e-6
-    """Added to the group std before dividing by it (only used with `std_normalize`)."""
+    eps: float = Field(1e-6, ge=0)
+    """Added to a std before dividing by it (`grpo` with `std_normalize`, `reinforce_pp`, `reinforce_pp_baseline`)."""
+
+    baseline_decay: float = Field(0.9, ge=0, lt=1)
+    """`reinforce_mean` only: weight of the past in the running mean (per step: b <- decay * b + (1 - decay) * batch
+    mean reward, bias-corrected); 0 uses the previous batch's mean alone."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdvantageConfig":
+        if self.std_normalize and self.estimator != "grpo":
+            raise ValueError(f"advantage.std_normalize applies to the grpo estimator only, not {self.estimator}")
+        return self
 
 
 class ClientConfig(BaseConfig):
@@ -121,6 +136,55 @@ class SamplingConfig(BaseConfig):
     """Sampling seed sent with each request (None: random)."""
 
 
+class TemperatureScalingConfig(BaseConfig):
+    """Raise an environment's sampling temperature while its groups' rewards stop varying (MinRL): a group whose
+    rollouts all score the same carries no group-relative signal, and a hotter policy explores more. Each
+    environment has its own temperature, between `min_temperature` and `max_temperature`, starting at
+    `sampling.temperature`; after each finished group it is multiplied by `up` (the group's reward std <=
+    `std_threshold`) or by `down` (it varied)."""
+
+    min_temperature: float | None = Field(None, gt=0)
+    """Lowest temperature; None: `sampling.temperature`, so relaxing stops at the configured temperature."""
+
+    max_temperature: float = Field(1.5, gt=0)
+    """Highest temperature an environment whose rewards do not vary is raised to."""
+
+    std_threshold: float = Field(0.0, ge=0)
+    """A group counts as not varying when its rewards' population std is at most this (per seat, the largest);
+    0: only groups whose rewards are all equal."""
+
+    up: float = Field(1.1, gt=1)
+    """Factor applied to the environment's temperature after a group that did not vary."""
+
+    down: float = Field(0.95, gt=0, le=1)
+    """Factor applied after a group that varied (1: the temperature never comes back down)."""
+
+
+class TrainSamplingConfig(SamplingConfig):
+    temperature_scaling: TemperatureScalingConfig | None = None
+    """Per-environment temperature raised while rewards stop varying (`--sampling.temperature-scaling` enables with
+    defaults); each sample records the temperature it was sampled with."""
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "TrainSamplingConfig":
+        scaling = self.temperature_scaling
+        if scaling is None:
+            return self
+        low = scaling.min_temperature if scaling.min_temperature is not None else self.temperature
+        if not low <= self.temperature <= scaling.max_temperature:
+            raise ValueError(
+                f"sampling.temperature_scaling: need min_temperature ({low}) <= sampling.temperature "
+                f"({self.temperature}) <= max_temperature ({scaling.max_temperature})"
+            )
+        return self
+
+    @property
+    def min_temperature(self) -> float:
+        """The temperature scaling's floor (`sampling.temperature` unless set)."""
+        scaling = self.temperature_scaling
+        return scaling.min_temperature if scaling and scaling.min_temperature is not None else self.temperature
+
+
 class LogExtrasConfig(BaseConfig):
     interval: int = Field(10, ge=1)
     """Log the extras every this many steps (they are larger than the per-step metrics)."""
@@ -162,7 +226,7 @@ class OrchestratorConfig(EntrypointConfig):
     env: list[EnvConfig] = [EnvConfig()]
     """Environments to train on (`[[env]]` tables)."""
 
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: TrainSamplingConfig = TrainSamplingConfig()
     """Sampling settings for training rollouts."""
 
     buffer: BufferConfig = BufferConfig()
@@ -247,8 +311,15 @@ class OrchestratorConfig(EntrypointConfig):
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("env ratio: set it on every environment or on none")
-        if self.advantage.estimator == "rloo" and self.rollouts_per_example < 2:
-            raise ValueError("advantage.estimator rloo needs rollouts_per_example >= 2")
+        estimator = self.advantage.estimator
+        if estimator in ("rloo", "reinforce_pp_baseline", "gpg") and self.rollouts_per_example < 2:
+            # A group of one is its own baseline: every advantage would be 0.
+            raise ValueError(f"advantage.estimator {estimator} needs rollouts_per_example >= 2")
+        if self.filter_zero_advantage and estimator in ("reinforce_mean", "reinforce_pp"):
+            raise ValueError(
+                f"filter_zero_advantage with advantage.estimator {estimator}: its baseline comes from the batch, so no "
+                "group is known to lack a signal when it arrives (a constant group gets a non-zero advantage)"
+            )
         # The trainer scores every sampled token with the full softmax at the sampling temperature.
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for training: greedy tokens have no usable logprobs")

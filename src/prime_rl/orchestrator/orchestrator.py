@@ -6,7 +6,7 @@
 Start: load the environments and their tasks -> wait for the inference servers -> base weights on a fresh
 start, or the resumed step's weights -> spawn rollout workers. Step n: the scheduler collects finished
 groups that respect the off-policy bound (swapping weights as the trainer publishes them) -> advantages per
-group -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
+group, then over the batch -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
 
 `--bench` runs the same loop on the weights the servers serve at start, with no trainer: nothing is loaded or
 waited for, no batch or checkpoint is written (nothing a trainer could consume later), and the step metrics end
@@ -25,13 +25,14 @@ from loguru import logger
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.orchestrator import ckpt
-from prime_rl.orchestrator.advantage import compute_advantages
+from prime_rl.orchestrator.advantage import RunningMean, compute_advantages, normalize_batch_advantages
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
+from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import RolloutWorkers
 from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.fs import remove_steps_after
@@ -65,25 +66,36 @@ def load_environments(config: OrchestratorConfig) -> dict[str, EnvTasks]:
     return tasks
 
 
-def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[TrainingSample], list[float], int]:
-    """A group's training samples, the advantage of each of its rollouts (one scalar per rollout, on every token of
-    its samples), and how many seats had a single rollout (advantage 0: no other rollout to compare with).
+def batch_samples(
+    groups: list[Group], config: OrchestratorConfig, baselines: dict[str, float] | None = None
+) -> tuple[list[TrainingSample], list[float], int]:
+    """The batch's training samples, the advantage of each of its rollouts in order (one scalar per rollout, on every
+    token of its samples), and how many seats had a single rollout (no other rollout to compare with).
 
-    Advantages are computed per seat (see `seat_rewards`); rollouts without sampled tokens (a seat that never had
-    to act) take part in their seat's baseline but yield no sample."""
-    advantages = [0.0] * len(group.rollouts)
-    singletons = 0
-    for seat in seat_rewards(group.rollouts):
-        members = [i for i, r in enumerate(group.rollouts) if r.seat == seat]
-        rewards = torch.tensor([[group.rollouts[i].reward for i in members]], dtype=torch.float64)
-        lengths = torch.tensor([[max(1, sum(sum(s.loss_mask) for s in group.rollouts[i].samples)) for i in members]])
-        for i, advantage in zip(
-            members, compute_advantages(rewards, lengths, config.advantage)[0].tolist(), strict=True
-        ):
+    Advantages are computed per group and seat (see `seat_rewards`; `baselines`: `reinforce_mean`'s running mean per
+    environment), then once over the whole batch (`normalize_batch_advantages`). Rollouts without sampled tokens (a
+    seat that never had to act) take part in the statistics but yield no sample."""
+    rollouts = [(g, r) for g in groups for r in g.rollouts]
+    members, per_group, tokens = [], [], []  # per (group, seat): indices into `rollouts`, advantages, loss tokens
+    singletons, offset = 0, 0
+    for group in groups:
+        for seat in seat_rewards(group.rollouts):
+            idx = [offset + i for i, r in enumerate(group.rollouts) if r.seat == seat]
+            rewards = torch.tensor([[rollouts[i][1].reward for i in idx]], dtype=torch.float64)
+            loss_tokens = [sum(sum(s.loss_mask) for s in rollouts[i][1].samples) for i in idx]
+            lengths = torch.tensor([[max(1, n) for n in loss_tokens]])
+            baseline = (baselines or {}).get(group.env, 0.0)
+            per_group.append(compute_advantages(rewards, lengths, config.advantage, baseline)[0])
+            tokens.append(torch.tensor(loss_tokens, dtype=torch.float64))
+            members.append(idx)
+            singletons += len(idx) == 1
+        offset += len(group.rollouts)
+    advantages = [0.0] * len(rollouts)
+    for idx, values in zip(members, normalize_batch_advantages(per_group, config.advantage, tokens), strict=True):
+        for i, advantage in zip(idx, values.tolist(), strict=True):
             advantages[i] = advantage
-        singletons += len(members) == 1
     samples = []
-    for rollout, advantage in zip(group.rollouts, advantages, strict=True):
+    for (group, rollout), advantage in zip(rollouts, advantages, strict=True):
         for s in rollout.samples:
             versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
             samples.append(
@@ -92,11 +104,19 @@ def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[Traini
                     loss_mask=s.loss_mask,
                     inference_logprobs=s.logprobs,
                     advantages=[advantage] * len(s.token_ids),
-                    temperature=rollout.temperature or config.sampling.temperature,
+                    temperature=rollout.temperature or group.temperature or config.sampling.temperature,
                     policy_versions=versions,
                 )
             )
     return samples, advantages, singletons
+
+
+def batch_mean_rewards(groups: list[Group]) -> dict[str, float]:
+    """Mean reward of each environment's rollouts in the batch (what `reinforce_mean`'s running mean folds in)."""
+    by_env: dict[str, list[float]] = {}
+    for group in groups:
+        by_env.setdefault(group.env, []).extend(r.reward for r in group.rollouts)
+    return {env: statistics.fmean(rewards) for env, rewards in by_env.items()}
 
 
 def batch_metrics(
@@ -211,12 +231,20 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     tasks = load_environments(config)
     ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
     buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
+    # reinforce_mean's baseline and the temperature scaling keep state across steps (and checkpoints).
+    baseline = RunningMean(config.advantage.baseline_decay) if config.advantage.estimator == "reinforce_mean" else None
+    temperatures = TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
     progress = ckpt.Progress()
     resuming = config.ckpt is not None and config.ckpt.resuming
     if resuming:
         step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
-        progress, buffer_state = ckpt.load(output_dir, step)
-        buffer.load_state_dict(buffer_state)
+        progress, states = ckpt.load(output_dir, step)
+        buffer.load_state_dict(states["buffer"])
+        for name, part in (("advantage_baseline", baseline), ("temperature", temperatures)):
+            if part is not None and name in states:
+                part.load_state_dict(states[name])
+            elif part is not None:
+                logger.warning(f"checkpoint step {step} has no {name} state (saved without it): starting it afresh")
         for name, env_tasks in tasks.items():
             if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
                 env_tasks.skip(buffer.drawn(name))
@@ -250,18 +278,16 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
         await workers.start()
         logger.info(f"{config.workers} rollout worker(s) ready")
-        scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers)
+        scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers, temperatures)
         while max_steps is None or progress.step < max_steps:
             step = progress.step + 1
             start = time.perf_counter()
             groups = await scheduler.collect(step)
             collect_seconds = time.perf_counter() - start
-            samples, advantages, singletons = [], [], 0
-            for group in groups:
-                group_samples_, group_advantages, group_singletons = group_samples(group, config)
-                samples += group_samples_
-                advantages += group_advantages
-                singletons += group_singletons
+            baselines = {env: baseline.value(env) for env in tasks} if baseline is not None else None
+            samples, advantages, singletons = batch_samples(groups, config, baselines)
+            if baseline is not None:
+                baseline.update(batch_mean_rewards(groups))
             if not bench:
                 write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
             progress = ckpt.Progress(
@@ -281,6 +307,10 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )
             metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
+            if baselines is not None:  # the baseline this batch used
+                metrics.update({f"advantage/baseline/{env}": b for env, b in baselines.items()})
+            if temperatures is not None:
+                metrics.update(temperatures.metrics())
             if step % config.log_extras.interval == 0:
                 metrics |= log_extras(step, groups, advantages, monitor, config.log_extras)
             log_step(step, metrics, monitor)
@@ -289,7 +319,12 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             scheduler.stats = StepStats()
             buffer.reset_step_metrics()
             if not bench and config.ckpt is not None and config.ckpt.due(step, max_steps):
-                logger.info(f"checkpoint {ckpt.save(output_dir, progress, buffer.state_dict(), config.ckpt)}")
+                states = {"buffer": buffer.state_dict()}
+                if baseline is not None:
+                    states["advantage_baseline"] = baseline.state_dict()
+                if temperatures is not None:
+                    states["temperature"] = temperatures.state_dict()
+                logger.info(f"checkpoint {ckpt.save(output_dir, progress, states, config.ckpt)}")
         if bench:
             print(format_bench_table(bench_rows, BENCH_COLUMNS), flush=True)
         exit_code = 0

@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
+from prime_rl.orchestrator.advantage import group_has_signal
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
 from prime_rl.orchestrator.servers import InferenceServers
+from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import GroupDone, RolloutResult, RolloutWorkers, RunGroup
 
 WAIT_WARNING_INTERVAL = 60.0
@@ -76,6 +78,8 @@ class Group:
     attempts: int = 1
     started: float = field(default_factory=time.perf_counter)
     rollouts: list[RolloutResult] = field(default_factory=list)
+    temperature: float | None = None
+    """The temperature the group was (last) started at by the temperature scaling; None: `sampling.temperature`."""
 
     @property
     def version(self) -> int:
@@ -183,8 +187,10 @@ class Scheduler:
         tasks: dict[str, EnvTasks],
         servers: InferenceServers,
         workers: RolloutWorkers,
+        temperatures: TemperatureController | None = None,
     ):
         self.config, self.buffer, self.tasks, self.servers, self.workers = config, buffer, tasks, servers, workers
+        self.temperatures = temperatures
         self.k = config.max_async_level
         self.inflight: dict[int, Group] = {}
         self.retry_queue: list[Group] = []
@@ -277,6 +283,8 @@ class Scheduler:
         self.inflight[group.id] = group
         self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
+        if self.temperatures is not None:
+            group.temperature = self.temperatures.temperature(group.env)
         request = RunGroup(
             id=group.id,
             env=group.env,
@@ -284,6 +292,7 @@ class Scheduler:
             n=self.config.rollouts_per_example,
             base_url=group.url,
             model=self.servers.model_name(group.start_version, self.config.model.api_name),
+            temperature=group.temperature,
         )
         await self.workers.submit(request)
 
@@ -322,6 +331,9 @@ class Scheduler:
             return
         self.liveness.usable()
         group.rollouts = good
+        rewards = seat_rewards(good)
+        if self.temperatures is not None:  # every scored group, also those filtered below: they are the signal
+            self.temperatures.observe(group.env, rewards)
         if group.version < group.start_version:
             # The server sampled with older weights than we believe it serves: it restarted on base weights.
             self.servers.mark_failed(group.url, f"served policy {group.version}, expected {group.start_version}")
@@ -334,8 +346,9 @@ class Scheduler:
         if status != "kept":
             self._waste("filtered")
             return
-        if self.config.filter_zero_advantage and all(len(set(s)) == 1 for s in seat_rewards(good).values()):
-            # Equal rewards (per seat) give every estimator an advantage of exactly 0: no learning signal.
+        estimator = self.config.advantage.estimator
+        if self.config.filter_zero_advantage and not any(group_has_signal(r, estimator) for r in rewards.values()):
+            # No seat can get a non-zero advantage (with a group baseline: equal rewards per seat).
             self._waste("filtered")
             return
         self.finished.append(group)

@@ -47,6 +47,9 @@ class RunGroup(msgspec.Struct, tag=True):
     model: str | None = None
     """The `model` the group's requests name: the policy it was started on (in adapter mode, the adapter from step 1
     on); None: the config's `model.api_name`."""
+    temperature: float | None = None
+    """The temperature the group samples at (the orchestrator's temperature scaling); None: `sampling.temperature`.
+    A seat that sets its own temperature keeps it."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -361,7 +364,11 @@ class Worker:
         env = self.envs[request.env]
         task = self.build_task(request.env, request.task)
         model = request.model or self.config.model.api_name
-        ctx = self.vf.ModelContext(model=model, client=self.clients[request.base_url], sampling=self.sampling)
+        sampling = self.sampling
+        if request.temperature is not None:
+            # Every seat's sampling is merged over the context's (verifiers' resolve_agent), so the trace records it.
+            sampling = sampling.model_copy(update={"temperature": request.temperature})
+        ctx = self.vf.ModelContext(model=model, client=self.clients[request.base_url], sampling=sampling)
 
         async def one(index: int) -> list[RolloutResult]:
             start = time.perf_counter()
