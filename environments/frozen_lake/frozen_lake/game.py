@@ -234,9 +234,7 @@ class Game:
 
     @property
     def over(self) -> bool:
-        return (
-            self.lake.won or self.lake.fell or self.turns >= self.max_turns or self.invalid >= self.max_invalid
-        )
+        return self.lake.won or self.lake.fell or self.turns >= self.max_turns or self.invalid >= self.max_invalid
 
     def play(self, reply: str | None) -> str:
         """Apply one reply; returns what the player is told next (a note, the lake, the status)."""
