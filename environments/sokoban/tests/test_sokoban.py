@@ -211,8 +211,9 @@ def solver_player(body: dict) -> dict:
     return {"content": solve(Level.parse([line.replace(" ", "") for line in board.splitlines()]))[0]}
 
 
-def run(script, tasks, **taskset_args):
-    config = {"taskset": {"id": "sokoban", **taskset_args}, "agent": {"harness": {"id": "env_testkit"}}}
+def run(script, tasks, agent: dict | None = None, **taskset_args):
+    agent = {"harness": {"id": "env_testkit"}, **(agent or {})}
+    config = {"taskset": {"id": "sokoban", **taskset_args}, "agent": agent}
     return LOOP.run_until_complete(kit.run_episodes(config, script, tasks, api_key_var=API_KEY_VAR))
 
 
@@ -291,3 +292,15 @@ def test_solving_scores_one(monkeypatch):
     assert len(requests) == 6
     assert trace.reward == 1.0 and trace.rewards["solved"].score == 1.0
     assert trace.metrics["moves"] == 6.0
+
+
+def test_a_seat_out_of_turns_ends_the_game(monkeypatch):
+    """The seat's own `max_turns` (not the game's) stops it: the env ends the game on the terminated segment and
+    the rewards score the replies made."""
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    (episode,), requests = run(replies("R", "L", "L", "D", "L", "U"), [make_task(TWO_BOXES)], agent={"max_turns": 2})
+    (trace,) = episode.traces
+    assert len(requests) == 2 and len(trace.assistant_messages) == 2
+    assert trace.stop_condition == "max_turns"  # the seat's limit, not the env (`user_closed`), ended it
+    assert (trace.rewards["solved"].score, trace.rewards["boxes_on_goals"].score) == (0.0, 0.5)
+    assert trace.metrics["moves"] == 2.0
