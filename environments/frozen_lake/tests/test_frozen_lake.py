@@ -45,6 +45,7 @@ def walk(lake: Lake, moves: list[str]) -> Lake:
         ("I go l", "left"),
         ("down or maybe right", "right"),  # the last move named
         ("rightwards", None),
+        ("I'd stop", None),
         ("no idea", None),
         (None, None),
     ],

@@ -84,7 +84,7 @@ class SokobanConfig(vf.TasksetConfig):
     """Number of levels generated."""
     seed: int = 0
     """Generator seed: the same seed always yields the same levels."""
-    size: int = Field(7, ge=4, le=12)
+    size: int = Field(7, ge=4, le=10)
     """Side of the square room, outer wall included (7: a 5 x 5 interior)."""
     boxes: int = Field(1, ge=1, le=3)
     """Boxes (and goals) per level (generation slows fast with more: 3 boxes in a size-9 room take ~1 s a level)."""

@@ -18,13 +18,15 @@ Pos = tuple[int, int]
 MOVES: dict[str, Pos] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
 
-_MOVE_WORD = re.compile(r"\b(up|down|left|right|u|d|l|r)\b", re.IGNORECASE)
+# A move word stands alone: not inside a word, nor after an apostrophe (the `d` of "I'd" is no move).
+_MOVE_WORD = re.compile(r"(?<![\w'’])(up|down|left|right|u|d|l|r)(?![\w'’])", re.IGNORECASE)
 _LETTER = {"u": "up", "d": "down", "l": "left", "r": "right"}
 
 
 def parse_move(reply: str | None) -> str | None:
     """The last move named in the reply, as `up`/`down`/`left`/`right`, or None. Accepted (any case, as whole
-    words): `up`, `down`, `left`, `right` and the letters `U`, `D`, `L`, `R` (`Move: right`, `I go L.`)."""
+    words, not after an apostrophe): `up`, `down`, `left`, `right` and the letters `U`, `D`, `L`, `R`
+    (`Move: right`, `I go L.`)."""
     matches = _MOVE_WORD.findall(reply or "")
     if not matches:
         return None

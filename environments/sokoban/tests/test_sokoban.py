@@ -44,6 +44,8 @@ def apply(level: Level, moves: list[str]) -> Level:
         ("R!", "right"),
         ("left, no, up", "up"),  # the last move named
         ("upward", None),  # whole words only
+        ("I'd rather not", None),  # the d of "I'd" is no move
+        ("I'd go r", "right"),
         ("hmm", None),
         ("", None),
         (None, None),
