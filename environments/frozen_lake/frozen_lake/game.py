@@ -1,0 +1,265 @@
+"""Frozen Lake in pure Python (no verifiers): lakes as text, the move rules, a shortest-path solver, lake
+generation and the game a chat episode plays (one reply per move). Not slippery: a move goes where it says.
+
+Text format (`Lake.rows`, what task data stores; `render` spaces the cells out for the model): `P` the player,
+`F` frozen ice, `H` hole, `G` goal. Row 0 is the top: `up` decreases the row. Moving off the grid is a bump
+(nothing moves).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import deque
+from dataclasses import dataclass, replace
+
+Pos = tuple[int, int]
+"""(row, column)."""
+
+MOVES: dict[str, Pos] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+
+# A move word stands alone: not inside a word, nor after an apostrophe (the `d` of "I'd" is no move).
+_MOVE_WORD = re.compile(r"(?<![\w'’])(up|down|left|right|u|d|l|r)(?![\w'’])", re.IGNORECASE)
+_LETTER = {"u": "up", "d": "down", "l": "left", "r": "right"}
+
+
+def parse_move(reply: str | None) -> str | None:
+    """The last move named in the reply, as `up`/`down`/`left`/`right`, or None. Accepted (any case, as whole
+    words, not after an apostrophe): `up`, `down`, `left`, `right` and the letters `U`, `D`, `L`, `R`
+    (`Move: right`, `I go L.`)."""
+    matches = _MOVE_WORD.findall(reply or "")
+    if not matches:
+        return None
+    word = matches[-1].lower()
+    return _LETTER.get(word, word)
+
+
+def _add(pos: Pos, delta: Pos) -> Pos:
+    return pos[0] + delta[0], pos[1] + delta[1]
+
+
+@dataclass(frozen=True)
+class Lake:
+    """A position: the static lake (`holes`, `goal`, size) and where the player stands."""
+
+    size: int
+    holes: frozenset[Pos]
+    goal: Pos
+    player: Pos
+
+    @classmethod
+    def parse(cls, rows: list[str]) -> Lake:
+        """The inverse of `rows`; refuses a lake that is not square or lacks exactly one player and one goal."""
+        if not rows or any(len(row) != len(rows) for row in rows):
+            raise ValueError(f"a lake is a square of rows, got {rows!r}")
+        holes, goals, players = set(), [], []
+        for r, row in enumerate(rows):
+            for c, cell in enumerate(row):
+                if cell not in "PFHG":
+                    raise ValueError(f"unknown cell {cell!r} at row {r}, column {c}")
+                if cell == "H":
+                    holes.add((r, c))
+                elif cell == "G":
+                    goals.append((r, c))
+                elif cell == "P":
+                    players.append((r, c))
+        if len(players) != 1 or len(goals) != 1:
+            raise ValueError(f"a lake needs one player and one goal, got {rows!r}")
+        return cls(len(rows), frozenset(holes), goals[0], players[0])
+
+    @property
+    def rows(self) -> list[str]:
+        def cell(pos: Pos) -> str:
+            if pos == self.player:
+                return "P"
+            if pos == self.goal:
+                return "G"
+            return "H" if pos in self.holes else "F"
+
+        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+
+    @property
+    def won(self) -> bool:
+        return self.player == self.goal
+
+    @property
+    def fell(self) -> bool:
+        return self.player in self.holes
+
+    def inside(self, pos: Pos) -> bool:
+        return 0 <= pos[0] < self.size and 0 <= pos[1] < self.size
+
+    def step(self, move: str) -> tuple[Lake, str]:
+        """The position after `move`, and what happened: `moved`, `fell` (into a hole), `won` (reached the goal)
+        or `edge` (off the grid: nothing moves)."""
+        ahead = _add(self.player, MOVES[move])
+        if not self.inside(ahead):
+            return self, "edge"
+        lake = replace(self, player=ahead)
+        return lake, "won" if lake.won else "fell" if lake.fell else "moved"
+
+
+def render(lake: Lake) -> str:
+    """The lake as the model sees it: one line per row, cells separated by spaces. A player in a hole shows as
+    `P` (the game is over then)."""
+    return "\n".join(" ".join(row) for row in lake.rows)
+
+
+def distances(lake: Lake) -> dict[Pos, int]:
+    """Moves from each safe cell to the goal over safe cells (breadth-first from the goal); unreachable cells
+    and holes are absent."""
+    dist = {lake.goal: 0}
+    frontier = deque([lake.goal])
+    while frontier:
+        pos = frontier.popleft()
+        for delta in MOVES.values():
+            nxt = _add(pos, delta)
+            if lake.inside(nxt) and nxt not in lake.holes and nxt not in dist:
+                dist[nxt] = dist[pos] + 1
+                frontier.append(nxt)
+    return dist
+
+
+def solve(lake: Lake) -> list[str] | None:
+    """A shortest safe move sequence from the player to the goal, or None when the holes cut it off."""
+    dist = distances(lake)
+    if lake.player not in dist:
+        return None
+    moves, pos = [], lake.player
+    while pos != lake.goal:
+        move = next(m for m, d in MOVES.items() if dist.get(_add(pos, d)) == dist[pos] - 1)
+        moves.append(move)
+        pos = _add(pos, MOVES[move])
+    return moves
+
+
+# --- generation -------------------------------------------------------------------------------------------------
+
+TOWARD_GOAL = 0.6
+"""In the carving walk, the chance that a step goes toward the goal (else any direction): paths wander a little."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    lake: Lake
+    witness: list[str]
+    """The carved safe path from the start to the goal (a valid, not always shortest, solution)."""
+    solution: list[str]
+    """A shortest solution (`solve`)."""
+
+
+def _manhattan(a: Pos, b: Pos) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
+def _carve(rng: random.Random, size: int, start: Pos, goal: Pos, max_len: int) -> list[Pos]:
+    """A simple path of cells from start to goal of at most `max_len` moves: a loop-erased random walk drifting
+    toward the goal, or, if that wanders too far, a straight staircase (Manhattan length)."""
+    path, index = [start], {start: 0}
+    for _ in range(20 * size * size):  # bounded; the drift reaches the goal in a few dozen steps in practice
+        here = path[-1]
+        if here == goal:
+            break
+        steps = [_add(here, d) for d in MOVES.values()]
+        steps = [p for p in steps if 0 <= p[0] < size and 0 <= p[1] < size]
+        closer = [p for p in steps if _manhattan(p, goal) < _manhattan(here, goal)]
+        nxt = rng.choice(closer if rng.random() < TOWARD_GOAL else steps)
+        if nxt in index:  # erase the loop
+            for pos in path[index[nxt] + 1 :]:
+                del index[pos]
+            path = path[: index[nxt] + 1]
+        else:
+            index[nxt] = len(path)
+            path.append(nxt)
+    if path[-1] == goal and len(path) - 1 <= max_len:
+        return path
+    path = [start]
+    while path[-1] != goal:
+        here = path[-1]
+        closer = [_add(here, d) for d in MOVES.values() if _manhattan(_add(here, d), goal) < _manhattan(here, goal)]
+        path.append(rng.choice(closer))
+    return path
+
+
+def _moves_along(path: list[Pos]) -> list[str]:
+    by_delta = {d: m for m, d in MOVES.items()}
+    return [by_delta[(b[0] - a[0], b[1] - a[1])] for a, b in zip(path, path[1:], strict=False)]
+
+
+def generate(rng: random.Random, size: int, hole_fraction: float, max_moves: int) -> Generated:
+    """A `size` x `size` lake: start and goal at least `size - 1` moves apart, a safe path carved between them
+    first (at most `max_moves` long, at least the Manhattan distance), then each other cell a hole with
+    probability `hole_fraction`. Solvable by construction; `max_moves >= 2 * (size - 1)` keeps the straight
+    fallback path within it."""
+    cells = [(r, c) for r in range(size) for c in range(size)]
+    start = rng.choice(cells)
+    goal = rng.choice([p for p in cells if _manhattan(p, start) >= size - 1])
+    path = _carve(rng, size, start, goal, max_moves)
+    safe = set(path)
+    holes = frozenset(p for p in cells if p not in safe and rng.random() < hole_fraction)
+    lake = Lake(size, holes, goal, start)
+    solution = solve(lake)
+    assert solution is not None and len(solution) <= len(path) - 1, "the carved path is safe"
+    return Generated(lake, _moves_along(path), solution)
+
+
+# --- the game a chat episode plays ------------------------------------------------------------------------------
+
+NOTES = {
+    "moved": "You moved {move}.",
+    "edge": "You bumped into the edge of the lake; nothing moved.",
+    "won": "You reached the goal.",
+    "fell": "You fell into a hole.",
+}
+UNREADABLE = "No move found in your reply. Reply with one move: up, down, left or right."
+
+
+def status(turns_left: int) -> str:
+    return f"Turns left: {turns_left}."
+
+
+@dataclass
+class Game:
+    """One episode: every reply is a turn. It ends at the goal, in a hole, after `max_turns` replies, or at the
+    `max_invalid`-th reply without a move."""
+
+    lake: Lake
+    max_turns: int
+    max_invalid: int
+    turns: int = 0
+    moves: int = 0
+    """Replies that named a move (bumps included)."""
+    invalid: int = 0
+    """Replies that named no move."""
+    blocked: int = 0
+    """Moves off the grid (nothing moved)."""
+
+    @property
+    def over(self) -> bool:
+        return self.lake.won or self.lake.fell or self.turns >= self.max_turns or self.invalid >= self.max_invalid
+
+    def play(self, reply: str | None) -> str:
+        """Apply one reply; returns what the player is told next (a note, the lake, the status)."""
+        if self.over:
+            raise ValueError("the game is over")
+        self.turns += 1
+        move = parse_move(reply)
+        if move is None:
+            self.invalid += 1
+            note = UNREADABLE
+        else:
+            self.moves += 1
+            self.lake, outcome = self.lake.step(move)
+            self.blocked += outcome == "edge"
+            note = NOTES[outcome].format(move=move)
+        return f"{note}\n\n{render(self.lake)}\n\n{status(self.max_turns - self.turns)}"
+
+    @classmethod
+    def replay(cls, lake: Lake, replies: list[str | None], max_turns: int, max_invalid: int) -> Game:
+        """The game those replies played (replies past its end are ignored)."""
+        game = cls(lake, max_turns, max_invalid)
+        for reply in replies:
+            if game.over:
+                break
+            game.play(reply)
+        return game

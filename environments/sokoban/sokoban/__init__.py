@@ -1,0 +1,150 @@
+"""sokoban: push every box onto a goal, one move per chat turn (a verifiers v1 taskset and its `Env`).
+
+Levels are generated from `seed`, by reverse play from the solved position, so every level is solvable; the
+breadth-first solver (`game.solve`) measures each level's optimal move count. `SokobanEnv.run` is the game
+engine: the task's prompt shows the board, and after each reply the env answers as the player's user with the
+new board, until the level is solved, `max_turns` replies were made, or `max_invalid` replies named no move.
+
+Rewards are scored by replaying the trace's replies on the level (`Game.replay`, the same engine):
+`solved` (weight 1.0) and `boxes_on_goals` (weight 0.5: the fraction of boxes on goals at the end, counted only
+when the level is not solved). Metrics: `moves`, `invalid_moves`, `blocked_moves`, `optimal_moves`.
+
+Exports (`__all__`): `SokobanTaskset` (taskset id `sokoban`) and `SokobanEnv`. No harness: the seat needs a
+resumable chat harness (prime-rl gives it `prime-chat`; with `vf-eval`, pass `--env.agent.harness.id ...`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import verifiers.v1 as vf
+from pydantic import Field, model_validator
+
+from sokoban.game import Game, Generated, Level, generate, render, status
+
+SYSTEM_PROMPT = (
+    "You are playing Sokoban on a grid. Push every box onto a goal square. Each turn, move the player one square "
+    "up, down, left or right. Walking into a box pushes it one square in the same direction, if the square behind "
+    "it is floor or a goal; you cannot pull a box, push two boxes at once, or walk through a wall.\n"
+    "Legend: # wall, _ floor, . goal, $ box, * box on a goal, @ player, + player on a goal. Up is toward the top "
+    "row.\n"
+    "Reply with exactly one move: up, down, left or right (or U, D, L, R)."
+)
+
+
+def opening_prompt(level: Level, max_turns: int) -> str:
+    return f"{render(level)}\n\n{status(level, max_turns)} Your move?"
+
+
+# --- the taskset ------------------------------------------------------------------------------------------------
+
+
+class SokobanData(vf.TaskData):
+    level: list[str]
+    """The starting position, one string per row (`game.Level.rows`)."""
+    optimal_moves: int
+    """The length of a shortest solution."""
+    max_turns: int
+    """Replies allowed."""
+    max_invalid: int
+    """The game ends at this many replies without a move."""
+
+
+def replayed(data: SokobanData, trace: vf.Trace) -> Game:
+    """The game the trace's replies played on the task's level."""
+    replies = [message.content for message in trace.assistant_messages]
+    return Game.replay(Level.parse(data.level), replies, data.max_turns, data.max_invalid)
+
+
+class SokobanTask(vf.Task[SokobanData]):
+    @vf.reward
+    async def solved(self, trace: vf.Trace) -> float:
+        return float(replayed(self.data, trace).level.solved)
+
+    @vf.reward(weight=0.5)
+    async def boxes_on_goals(self, trace: vf.Trace) -> float:
+        """Partial credit: the fraction of boxes on goals at the end of an unsolved game (0 once solved, so a
+        solved level scores exactly 1)."""
+        level = replayed(self.data, trace).level
+        return 0.0 if level.solved else level.boxes_on_goals / len(level.boxes)
+
+    @vf.metric
+    async def game(self, trace: vf.Trace) -> dict[str, float]:
+        game = replayed(self.data, trace)
+        return {
+            "moves": float(game.moves),
+            "invalid_moves": float(game.invalid),
+            "blocked_moves": float(game.blocked),
+            "optimal_moves": float(self.data.optimal_moves),
+        }
+
+
+class SokobanConfig(vf.TasksetConfig):
+    num_tasks: int = Field(1000, ge=1)
+    """Number of levels generated."""
+    seed: int = 0
+    """Generator seed: the same seed always yields the same levels."""
+    size: int = Field(7, ge=4, le=10)
+    """Side of the square room, outer wall included (7: a 5 x 5 interior)."""
+    boxes: int = Field(1, ge=1, le=3)
+    """Boxes (and goals) per level (generation slows fast with more: 3 boxes in a size-9 room take ~1 s a level)."""
+    max_turns: int = Field(30, ge=1)
+    """Replies allowed per game; every level is solvable within this many moves."""
+    max_invalid: int = Field(3, ge=1)
+    """The game ends at this many replies that name no move."""
+
+    @model_validator(mode="after")
+    def _room_fits_boxes(self) -> SokobanConfig:
+        interior = (self.size - 2) ** 2
+        if 3 * self.boxes > interior:
+            raise ValueError(f"boxes={self.boxes} do not fit a size={self.size} room (at most {interior // 3})")
+        return self
+
+
+def level_rng(seed: int, index: int) -> random.Random:
+    """Level `index`'s own generator (string seeds are hashed stably), so a level does not depend on the others."""
+    return random.Random(f"sokoban/{seed}/{index}")
+
+
+def generate_level(config: SokobanConfig, index: int) -> Generated:
+    return generate(level_rng(config.seed, index), config.size, config.boxes, config.max_turns)
+
+
+class SokobanTaskset(vf.Taskset[SokobanTask, SokobanConfig]):
+    def load(self):
+        c = self.config
+        for index in range(c.num_tasks):
+            generated = generate_level(c, index)
+            data = SokobanData(
+                prompt=opening_prompt(generated.level, c.max_turns),
+                system_prompt=SYSTEM_PROMPT,
+                level=generated.level.rows,
+                optimal_moves=len(generated.solution),
+                max_turns=c.max_turns,
+                max_invalid=c.max_invalid,
+            )
+            yield SokobanTask(data, c.task)
+
+
+# --- the env ----------------------------------------------------------------------------------------------------
+
+
+class SokobanEnvConfig(vf.EnvConfig):
+    # A tool-less chat loop runs locally by default (verifiers' default is a remote sandbox).
+    agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
+    """The player (the policy). Its harness must be resumable: the env resumes it on each new board."""
+
+
+class SokobanEnv(vf.Env[SokobanEnvConfig]):
+    async def run(self, task: SokobanTask, agents: vf.Agents) -> None:
+        game = Game(Level.parse(task.data.level), task.data.max_turns, task.data.max_invalid)
+        async with agents.agent.interaction(task) as player:
+            segment = await player.turn()  # the task's prompt (the opening board) speaks first
+            while not segment.terminated:
+                answer = game.play(segment.last_reply)
+                if game.over:
+                    break
+                segment = await player.turn(answer)
+
+
+__all__ = ["SokobanTaskset", "SokobanEnv"]
