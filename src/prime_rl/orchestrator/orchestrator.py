@@ -94,6 +94,7 @@ def group_samples(group: Group, config: OrchestratorConfig) -> tuple[list[Traini
                     advantages=[advantage] * len(s.token_ids),
                     temperature=rollout.temperature or config.sampling.temperature,
                     policy_versions=versions,
+                    reward=rollout.reward,
                 )
             )
     return samples, advantages, singletons
