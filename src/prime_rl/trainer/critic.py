@@ -1,10 +1,10 @@
 """PPO's learned critic: a value model trained beside the policy, and GAE advantages from its values.
 
-    critic = build_critic(config, world, max_steps, resume_step)  # a `Run`: FSDP2 value model, optimizer, checkpoints
-    samples = [with_token_rewards(s) for s in samples]    # rank 0: rows carry each token's reward as its "advantage"
-    prepared = prepare(critic.model, rows, config.critic, world)    # V_old (no grad) -> GAE -> rows' advantages
+    critic = build_critic(config, world, max_steps, resume_step, progress)  # a `Run`: FSDP2 value model, optimizer
+    samples = [with_token_rewards(s) for s in samples]  # rank 0: rows carry each token's reward as its "advantage"
+    prepared, sums = prepare(critic.model, rows, config.critic, world)  # V_old (no grad) -> GAE -> rows' advantages
     ... the policy trains on the rows as usual ...
-    sums = train_values(critic, rows, prepared, loss_scale, config.critic, world)  # clipped value loss, `epochs` steps
+    sums, grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)  # `epochs` value steps
 
 A sample is one trajectory: its sampled (`loss_mask`) tokens in order, environment tokens between turns skipped.
 Its reward comes on the last sampled token, 0 before; V(s_t) is the value head on the hidden state that predicts
@@ -30,9 +30,17 @@ from prime_rl.trainer.config import ConstantSchedulerConfig, CriticConfig, Train
 from prime_rl.trainer.distributed import World
 from prime_rl.trainer.loading import scatter_from_rank0
 from prime_rl.trainer.logprobs import shift_to_tokens
-from prime_rl.trainer.model import check_device, load_arch, materialise, parameters_on_meta, shard_model, stored_dtype
+from prime_rl.trainer.model import (
+    SetupError,
+    check_device,
+    load_arch,
+    materialise,
+    parameters_on_meta,
+    shard_model,
+    stored_dtype,
+)
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
-from prime_rl.trainer.packing import PackedRow, collate
+from prime_rl.trainer.packing import MicroBatch, PackedRow, collate
 from prime_rl.trainer.scaffold import Run
 
 CHECKPOINT_NAME = "critic"
@@ -126,7 +134,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """[B, L] -> [B, L] fp32 values of the states after each position (packed samples: positions restart at 0)."""
         hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)
+        values = self.value_head(hidden.float().reshape(-1, hidden.shape[-1]))  # 2-D: a matmul's own output
+        return values.view(input_ids.shape).clone()  # not a view: FSDP hooks the outputs of its modules
 
 
 def build_value_model(config: TrainerModelConfig, world: World) -> ValueModel:
@@ -157,6 +166,12 @@ def build_critic(config, world: World, max_steps: int | None, resume_step: int |
     critic: CriticConfig = config.critic
     model_config = config.model.model_copy(update={"name": critic.model or config.model.name})
     check_device(model_config, critic.optim, world.device)
+    vocab, policy_vocab = (load_arch(c).get_text_config().vocab_size for c in (model_config, config.model))
+    if vocab < policy_vocab:
+        raise SetupError(
+            f"critic.model {model_config.name!r} has a vocabulary of {vocab} tokens, fewer than the policy's "
+            f"{policy_vocab}: the value model reads the policy's token ids (use a model of the same tokenizer)"
+        )
     model = build_value_model(model_config, world)
     optimizer = build_optimizer(model.parameters(), critic.optim)
     scheduler = build_scheduler(optimizer, ConstantSchedulerConfig(), max_steps)
@@ -189,7 +204,7 @@ class PreparedRow:
     returns: Tensor
 
 
-def row_values(model: ValueModel, row: PackedRow, world: World) -> tuple[Tensor, PackedRow]:
+def row_values(model: ValueModel, row: PackedRow, world: World) -> tuple[Tensor, MicroBatch]:
     """V(s_t) for every token of `row` ([L] fp32, 0 at each sample's first token) and the row on the device.
     One row per forward: every rank has as many rows as the others (`shard_rows`), so as many forwards."""
     batch = collate([row], concatenate=True).to(world.device)
@@ -201,8 +216,8 @@ def row_values(model: ValueModel, row: PackedRow, world: World) -> tuple[Tensor,
 def prepare(model: ValueModel, rows: list[PackedRow], config: CriticConfig, world: World) -> tuple[list, dict]:
     """The values at the step's start (V_old), GAE advantages written into each row's `advantages` (which held the
     token rewards, `with_token_rewards`) and the returns A + V_old; plus this rank's sums for the metrics."""
-    prepared, sums = [], dict.fromkeys(("values_sum", "returns_sum", "returns_sq_sum", "error_sum", "error_sq_sum"))
-    sums = {key: 0.0 for key in sums}
+    prepared = []
+    sums = dict.fromkeys(("values_sum", "returns_sum", "returns_sq_sum", "error_sum", "error_sq_sum"), 0.0)
     model.eval()
     for row in rows:
         values, batch = row_values(model, row, world)
@@ -246,7 +261,7 @@ def train_values(
 
 
 def critic_metrics(sums: dict[str, float], loss_tokens: int, grad_norm: float) -> dict[str, float | None]:
-    """The critic's metrics from the all-reduced sums: means over the step's loss tokens, and the explained variance
+    """The critic's metrics from the step's all-reduced sums (those of `prepare` and `train_values` among them): means over the step's loss tokens, and the explained variance
     1 - Var(R - V) / Var(R) of the step-start values (1: perfect; 0: no better than the mean; None when Var(R) = 0)."""
     n = max(loss_tokens, 1)
     var_returns = sums["returns_sq_sum"] / n - (sums["returns_sum"] / n) ** 2

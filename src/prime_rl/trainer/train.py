@@ -105,7 +105,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         if critic is not None:
             value_sums, critic_grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)
-            totals |= {f"critic/{key}": value for key, value in (critic_sums | value_sums).items()}
+            totals |= critic_sums | value_sums
         run.progress = Progress(step, run.progress.tokens + info["tokens"], run.progress.samples + info["samples"])
         sums = all_reduce_sums(totals, world)
         t_train = time.perf_counter() - t0 - t_data
@@ -124,10 +124,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
 
         metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, times)
         if critic is not None:
-            critic_sums = {
-                key.removeprefix("critic/"): value for key, value in sums.items() if key.startswith("critic/")
-            }
-            metrics |= critic_metrics(critic_sums, info["loss_tokens"], critic_grad_norm)
+            metrics |= critic_metrics(sums, info["loss_tokens"], critic_grad_norm)
         if world.is_main:
             log_step(step, metrics, monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
