@@ -342,9 +342,10 @@ def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
 
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
+    critic = f" | value_loss {metrics['value_loss']:.4f}" if "value_loss" in metrics else ""
     logger.info(
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
-        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | grad_norm {metrics['grad_norm']:.3f} | "
+        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e}{critic} | grad_norm {metrics['grad_norm']:.3f} | "
         f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | "
         f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
