@@ -21,7 +21,7 @@ import msgspec
 import torch
 from loguru import logger
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel
 
 from prime_rl.batch import TrainingSample
@@ -147,7 +147,8 @@ def build_value_model(config: TrainerModelConfig, world: World) -> ValueModel:
     with parameters_on_meta():
         model = ValueModel(AutoModel.from_config(arch, **kwargs), hidden_size)
     model.model.config.use_cache = False
-    fully_shard(model.value_head, mesh=world.mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    offload = {"offload_policy": CPUOffloadPolicy()} if config.cpu_offload else {}  # as `shard_model` does
+    fully_shard(model.value_head, mesh=world.mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
     shard_model(model, config, world)  # per decoder layer, then the root; gradients summed over ranks
     materialise(model, torch.device("cpu") if config.cpu_offload else world.device)
     full = None
