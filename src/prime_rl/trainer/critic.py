@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from transformers import AutoModel
 
 from prime_rl.batch import TrainingSample
-from prime_rl.trainer.ckpt import CheckpointManager, Progress, step_dir
+from prime_rl.trainer.ckpt import COMPLETE, CheckpointManager, Progress, step_dir
 from prime_rl.trainer.config import ConstantSchedulerConfig, CriticConfig, TrainerModelConfig
 from prime_rl.trainer.distributed import World
 from prime_rl.trainer.loading import scatter_from_rank0
@@ -180,7 +180,7 @@ def build_critic(config, world: World, max_steps: int | None, resume_step: int |
     if config.ckpt is not None:
         ckpt = CheckpointManager(config.output_dir, config.ckpt, world.is_main, CHECKPOINT_NAME)  # the policy's cadence
     if resume_step is not None and resume_step > 0:
-        if not (step_dir(config.output_dir, resume_step, CHECKPOINT_NAME) / "COMPLETE").exists():
+        if not (step_dir(config.output_dir, resume_step, CHECKPOINT_NAME) / COMPLETE).exists():
             raise FileNotFoundError(
                 f"{step_dir(config.output_dir, resume_step, CHECKPOINT_NAME)}: no complete critic checkpoint to "
                 f"resume step {resume_step} with (was that run started without [critic]?)"
