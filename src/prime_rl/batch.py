@@ -32,6 +32,8 @@ class TrainingSample(msgspec.Struct, frozen=True):
     """Sampling temperature; the trainer divides logits by it so its logprobs match the sampler's."""
     policy_versions: list[int] = []
     """Distinct policy steps that generated the sample's tokens, ascending."""
+    reward: float = 0.0
+    """The reward of the rollout the sample is part of: the trainer's critic (`[critic]`) computes advantages from it."""
 
 
 class TrainingBatch(msgspec.Struct, frozen=True):
@@ -112,6 +114,8 @@ def _sample_problem(sample: TrainingSample, vocab_size: int, seq_len: int) -> st
         pos = _first_non_finite(values)
         if pos is not None:
             return f"has non-finite {name} value {values[pos]} at position {pos}"
+    if not math.isfinite(sample.reward):
+        return f"has non-finite reward {sample.reward}"
     if not (math.isfinite(sample.temperature) and sample.temperature > 0):
         return f"has temperature {sample.temperature}, which must be finite and > 0"
     return None

@@ -124,6 +124,7 @@ def test_valid_batch_passes(tmp_path: Path):
         (sample(advantages=[0.0, float("inf"), 0.0, 0.0]), "non-finite advantages value inf at position 1"),
         (sample(temperature=0.0), "temperature"),
         (sample(temperature=-1.0), "temperature"),
+        (sample(reward=float("nan")), "non-finite reward nan"),
     ],
 )
 def test_validate_batch_names_path_sample_and_problem(tmp_path: Path, bad: TrainingSample, needle: str):

@@ -108,6 +108,7 @@ def test_advantages_are_per_seat_and_idle_seats_join_the_baseline_untrained():
     assert advantages == pytest.approx([0.5, -1.0, 0.5, -0.5, 1.0, -0.5])
     assert len(samples) == 5 and singletons == 0  # the idle rollout has no sample
     assert [s.advantages[0] for s in samples] == pytest.approx([0.5, -1.0, 0.5, -0.5, 1.0])
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 1.0]  # the rollout's own reward, for a critic
 
 
 def test_a_seat_with_one_surviving_rollout_gets_zero_and_is_counted():

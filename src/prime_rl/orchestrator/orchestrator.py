@@ -106,6 +106,7 @@ def batch_samples(
                     advantages=[advantage] * len(s.token_ids),
                     temperature=rollout.temperature or group.temperature or config.sampling.temperature,
                     policy_versions=versions,
+                    reward=rollout.reward,
                 )
             )
     return samples, advantages, singletons

@@ -211,6 +211,32 @@ class TrainerModelConfig(ModelConfig):
         return self
 
 
+class CriticConfig(BaseConfig):
+    """PPO's learned value function (`critic.py`): a trunk with a scalar head, trained beside the policy; the policy
+    then trains on per-token GAE advantages from the samples' rewards instead of the batch's advantages."""
+
+    model: str | None = None
+    """Hugging Face name or directory of the value model's trunk (a causal LM; its output layer is not used);
+    None: the policy's `model.name`. It shares the policy's `model` settings (dtype, attn, ac, compile, offload)."""
+
+    optim: OptimizerConfig = AdamWConfig(lr=1e-5)
+    """The value model's own optimizer (constant learning rate), gradients clipped to its `max_norm`."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount per sampled token (environment tokens between turns do not count as steps)."""
+
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda: 1 gives Monte-Carlo returns minus the value, 0 the one-step TD error."""
+
+    value_clip: float = Field(0.2, gt=0)
+    """Epsilon of PPO's clipped value loss: a value may move at most this far from the step's start value before
+    its clipped term takes over (binds only from the second of `epochs`: the first starts at those values)."""
+
+    epochs: int = Field(1, ge=1)
+    """Optimizer steps of the value loss per trainer step, each over the whole batch. Clipping relative to the values
+    computed at the step's start only bites from the second on: in the first the values are still those."""
+
+
 class TrainerBenchConfig(BenchConfig):
     """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""
 
@@ -270,6 +296,9 @@ class TrainerConfig(EntrypointConfig):
     seed: int = 0
     """Seed for random initialisation and fake data."""
 
+    critic: CriticConfig | None = None
+    """PPO with a learned critic: GAE advantages from a value model trained here (`--critic` enables with defaults)."""
+
     max_concurrent_runs: int = Field(1, ge=1)
     """With `model.lora`: runs trained at once, each an orchestrator on `output_dir/run_<name>` with its own adapter,
     optimizer, schedule, checkpoints and metrics (found while training); 1: `output_dir` itself is the one run."""
@@ -288,4 +317,9 @@ class TrainerConfig(EntrypointConfig):
                 )
             if self.bench is not None:
                 raise ValueError("--bench measures full-weight training; it does not run LoRA adapters")
+        if self.critic is not None:
+            if self.model.lora is not None:
+                raise ValueError("critic with model.lora: the LoRA trainer (one adapter per run) has no value model")
+            if self.model.cp > 1:
+                raise ValueError(f"critic with model.cp = {self.model.cp}: the value model has no context parallelism")
         return self

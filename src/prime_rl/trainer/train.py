@@ -34,6 +34,7 @@ from prime_rl.config.loader import load_config
 from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
+from prime_rl.trainer.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
 from prime_rl.trainer.loss import compute_loss
@@ -78,6 +79,10 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
     run = build_run(config, world, "trainer", max_steps, "training")
     if sender is not None:
         sender.publish(run.progress.step)  # a server (re)starting before step 1 gets these weights
+    critic = None
+    if config.critic is not None:
+        resume_step = run.progress.step if config.ckpt is not None and config.ckpt.resuming else None
+        critic = build_critic(config, world, max_steps, resume_step, run.progress)
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
     bench_rows: list[dict] = []
@@ -92,9 +97,15 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         rows, info = next_rows(world, config.seq_len, partial(take_batch, config, step, vocab_size), BATCH_ERRORS)
         t_data = time.perf_counter() - t0
 
+        loss_scale = max(info["loss_tokens"], 1)
+        if critic is not None:  # the rows' token rewards become GAE advantages under the values at the step's start
+            prepared, critic_sums = prepare(critic.model, rows, config.critic, world)
         run.model.train()
-        totals = train_step(run.model, rows, {0: max(info["loss_tokens"], 1)}, config, world)[0]
+        totals = train_step(run.model, rows, {0: loss_scale}, config, world)[0]
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
+        if critic is not None:
+            value_sums, critic_grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)
+            totals |= critic_sums | value_sums
         run.progress = Progress(step, run.progress.tokens + info["tokens"], run.progress.samples + info["samples"])
         sums = all_reduce_sums(totals, world)
         t_train = time.perf_counter() - t0 - t_data
@@ -106,15 +117,22 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
                 remove_batch(config.output_dir, step)  # trained: nothing reads it again
                 live = run.ckpt.live_steps() if run.ckpt else set()
                 prune_broadcasts(config.output_dir, step, config.max_async_level, keep=live)
+            if critic is not None:  # first: a policy checkpoint that is complete has its critic's
+                critic.progress = run.progress
+                critic.maybe_checkpoint(step, max_steps)
             run.maybe_checkpoint(step, max_steps)
 
         metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, times)
+        if critic is not None:
+            metrics |= critic_metrics(sums, info["loss_tokens"], critic_grad_norm)
         if world.is_main:
             log_step(step, metrics, monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
 
     if sender is not None:
         sender.close()
+    if critic is not None and critic.ckpt is not None:
+        critic.ckpt.wait()
     if run.ckpt is not None:
         run.ckpt.wait()
         if world.is_main and config.bench is None:  # the last save may have pruned checkpoints: their weights too
@@ -181,6 +199,8 @@ def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[
         samples = fake_samples(config, vocab_size, step)
     else:
         samples = load_batch(config.output_dir, step, vocab_size, config.seq_len)  # there: the loop waited for it
+    if config.critic is not None:  # the rows carry each token's reward until `critic.prepare` computes advantages
+        samples = [with_token_rewards(s) for s in samples]
     return samples, policy_versions(samples)
 
 
@@ -322,9 +342,10 @@ def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
 
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
+    critic = f" | value_loss {metrics['value_loss']:.4f}" if "value_loss" in metrics else ""
     logger.info(
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
-        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | grad_norm {metrics['grad_norm']:.3f} | "
+        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e}{critic} | grad_norm {metrics['grad_norm']:.3f} | "
         f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | "
         f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
