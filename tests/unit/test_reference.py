@@ -15,7 +15,7 @@ from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import load_config
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer import train
-from prime_rl.trainer.config import LoRAConfig, LossConfig, TrainerConfig
+from prime_rl.trainer.config import LoRAConfig, LossConfig, ReferenceConfig, TrainerConfig
 from prime_rl.trainer.distributed import World
 from prime_rl.trainer.logprobs import forward_logprobs, install_logprob_head
 from prime_rl.trainer.lora import LoRAAdapters
@@ -199,6 +199,7 @@ def test_with_lora_the_reference_is_the_base_with_the_adapters_off(model_dir):
 
 def test_config_defaults_and_bounds(tmp_path):
     assert TrainerConfig().reference is None
+    assert all(field.description for field in ReferenceConfig.model_fields.values())
     argv = ["--output-dir", str(tmp_path), "--reference"]
     config, _ = load_config(TrainerConfig, "trainer", argv)
     assert config.reference.beta == 0.04 and config.reference.model is None
