@@ -121,9 +121,10 @@ def take_batches(ready: list[Run], vocab_size: int, seq_len: int) -> tuple[dict[
 
 
 def log_run_step(run: Run, metrics: dict) -> None:
+    ref_kl = f"ref_kl {metrics['ref_kl']:.2e} | " if "ref_kl" in metrics else ""
     logger.info(
         f"step {run.progress.step} | run {run.name} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
-        f"mismatch_kl {metrics['mismatch_kl']:.2e} | grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
+        f"mismatch_kl {metrics['mismatch_kl']:.2e} | {ref_kl}grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
         f"{metrics['samples']} samples | runs in step {metrics['runs_in_step']} | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s"
     )
