@@ -20,8 +20,9 @@ from prime_rl.trainer.distributed import World
 from prime_rl.trainer.logprobs import forward_logprobs, install_logprob_head
 from prime_rl.trainer.lora import LoRAAdapters
 from prime_rl.trainer.loss import compute_loss, reference_kl
+from prime_rl.trainer.model import SetupError
 from prime_rl.trainer.packing import collate, pack_samples
-from prime_rl.trainer.reference import Reference
+from prime_rl.trainer.reference import Reference, load_reference
 
 F64 = torch.float64
 LN2 = math.log(2)
@@ -210,3 +211,15 @@ def test_config_defaults_and_bounds(tmp_path):
             TrainerConfig(reference={"beta": beta})
     with pytest.raises(ValidationError, match="reference.bta"):
         TrainerConfig(reference={"bta": 0.1})  # unknown keys are named
+
+
+def test_a_reference_that_cannot_be_loaded_or_has_another_vocabulary_is_named(model_dir, tmp_path):
+    policy = load(model_dir)
+    missing = TrainerConfig(model={"name": str(model_dir)}, reference={"model": str(tmp_path / "nowhere")})
+    with pytest.raises(SetupError, match=r"^reference\.model '.*nowhere'"):
+        load_reference(missing, WORLD, policy)
+    other = build_tiny_model(TinyModelConfig(output=tmp_path / "other", vocab_size=640))
+    config = TrainerConfig(model={"name": str(model_dir)}, reference={"model": str(other)})
+    with pytest.raises(SetupError, match="reference.model .* has a vocabulary of 640 tokens, the policy .* 512"):
+        load_reference(config, WORLD, policy)
+    assert load_reference(TrainerConfig(model={"name": str(model_dir)}), WORLD, policy) is None

@@ -184,8 +184,8 @@ def compute_loss(
     """Σ over kept tokens of the objective's L_t, divided by `loss_scale`, and detached stats.
 
     With `ref_logprobs` (a frozen reference's, `[reference]`), β·`reference_kl` joins every kept token's L_t, so
-    the penalty is normalised and masked exactly like the objective; `ref_kl_sum` (over all loss tokens) joins
-    the stats.
+    the penalty is normalised and masked exactly like the objective; the stats gain `ref_kl_sum`, k3 summed over
+    every loss token (kept or not), averaged like `mismatch_kl_sum`.
 
     `loss_scale` is the loss-token count of the whole step (all micro-batches and ranks), not of this call,
     so the summed gradients equal those of one big batch. Stats are float64 0-d sums and counts, made to be

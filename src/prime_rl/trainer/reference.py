@@ -69,8 +69,8 @@ def load_reference(
     model_config = config.model.model_copy(update={"name": name, "lora": None, "ac": False, "random_init": random_init})
     try:
         arch = load_arch(model_config)
-    except SetupError as e:
-        raise SetupError(f"reference.model: {e}") from None
+    except SetupError as e:  # only an explicit reference.model can fail here: the policy's loaded already
+        raise SetupError(str(e).replace("model.name", "reference.model", 1)) from None
     vocab, policy_vocab = arch.get_text_config().vocab_size, policy.config.get_text_config().vocab_size
     if vocab != policy_vocab:
         raise SetupError(
