@@ -84,6 +84,7 @@ def published(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
+    """Also with a KL penalty against the initial policy (a second, frozen model, which nothing publishes)."""
     out = tmp_path / "run"
     write_batches(out, range(1, 4))
     trainer(
@@ -97,6 +98,8 @@ def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
         "--ckpt.save-async",
         "--max-async-level",
         "5",
+        "--reference.beta",
+        "0.1",
     )
     base = load_file(model_dir / "model.safetensors")
     base_ends = GenerationConfig.from_pretrained(model_dir).eos_token_id
@@ -120,8 +123,10 @@ def test_three_steps_on_two_ranks_publish_loadable_weights(model_dir, tmp_path):
     # Trained batches are deleted; the metrics keep the policies that sampled them (make_batch: pi_{n-1}).
     assert not any((out / "rollouts").iterdir())
     assert [(m["policy_version/min"], m["policy_version/max"]) for m in lines] == [(0, 0), (1, 1), (2, 2)]
+    # Step 1 trains pi_0 itself, the reference: the same forward on the same weights, bit for bit. Then it drifts.
+    assert lines[0]["ref_kl"] == 0.0 and lines[1]["ref_kl"] > 0 and lines[2]["ref_kl"] > 0
     log = (out / "logs" / "trainer.log").read_text()
-    assert "step 3 |" in log and "tok/s" in log
+    assert "step 3 |" in log and "tok/s" in log and "ref_kl" in log
 
 
 def test_resume_matches_straight_run_and_reshards(model_dir, tmp_path):
@@ -156,8 +161,9 @@ def test_two_ranks_by_checkpoint_resharding_or_by_context_parallelism_train_like
     """DCP reshards 2 -> 1; and 2 ranks sharing every row by context parallelism (each runs half of its tokens,
     attention exchanged all-to-all) train the same weights as one rank. SGD with momentum (stateful) instead of
     Adam: Adam's normalisation turns reduction-order noise on near-zero gradients into +-lr updates, which would
-    hide what we test."""
-    sgd = ("--optim.type", "sgd", "--optim.momentum", "0.9", "--optim.lr", "0.5")
+    hide what we test. All with a KL penalty against the initial policy: the resumed run loads it again from
+    model.name (not from the checkpoint), and context parallelism shards its rows as the policy's."""
+    sgd = ("--optim.type", "sgd", "--optim.momentum", "0.9", "--optim.lr", "0.5", "--reference.beta", "1.0")
     reference, split, cp = tmp_path / "reference", tmp_path / "split", tmp_path / "cp"
     for out in (reference, split, cp):
         write_batches(out, range(1, 5))

@@ -237,6 +237,18 @@ class CriticConfig(BaseConfig):
     computed at the step's start only bites from the second on: in the first the values are still those."""
 
 
+class ReferenceConfig(BaseConfig):
+    """A KL penalty against a frozen reference policy: beta * KL(pi || pi_ref) per trained token joins the loss."""
+
+    beta: float = Field(0.04, gt=0)
+    """KL coefficient: how hard the policy is held near the reference (0.04: the GRPO paper's; omit the section
+    for none)."""
+
+    model: str | None = None
+    """HF name or directory of the reference (same tokenizer as the policy); None: `model.name` as loaded at step 0,
+    i.e. the initial policy (with `model.lora`: the base with the adapters off, no second copy)."""
+
+
 class TrainerBenchConfig(BenchConfig):
     """`steps` on fake data: the trainer alone, no orchestrator, no publishing."""
 
@@ -259,6 +271,9 @@ class TrainerConfig(EntrypointConfig):
 
     scheduler: SchedulerConfig = ConstantSchedulerConfig()
     """Learning-rate schedule (`type = "constant"`, `"linear"` or `"cosine"`)."""
+
+    reference: ReferenceConfig | None = None
+    """KL penalty against a frozen reference policy (`--reference` enables with defaults)."""
 
     ckpt: CheckpointConfig | None = None
     """Resumable checkpoints (`--ckpt` enables with defaults)."""

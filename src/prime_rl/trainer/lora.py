@@ -5,6 +5,8 @@
     with adapters.tokens(batch.slots):                         # which slot each token of the forward trains
         loss.backward()
     adapters.all_reduce_grads(slots, world)                    # every rank holds the same replica
+    with torch.no_grad(), adapters.base_only():                # every adapter off: the frozen base alone,
+        ref_logp = forward(...)                                # the KL penalty's reference (`reference.py`)
 
 A target layer computes `base(x) + (alpha / r) * B_s A_s dropout(x)` for the tokens of slot `s`; padding (slot -1) gets
 the base alone. The base is sharded by FSDP2 and frozen; adapters are small (r x (in + out) per layer), so every rank
@@ -97,6 +99,15 @@ class LoRAAdapters(nn.Module):
         self.token_slots = token_slots
         self.present = [s for s in torch.unique(token_slots).tolist() if s >= 0]
         self.whole_slot = self.present[0] if len(self.present) == 1 else None
+        try:
+            yield
+        finally:
+            self.token_slots = None
+
+    @contextmanager
+    def base_only(self):
+        """Forward through the frozen base alone, every adapter off (the reference of `[reference]`'s KL penalty)."""
+        self.token_slots, self.present, self.whole_slot = torch.empty(0, dtype=torch.long), [], None
         try:
             yield
         finally:

@@ -151,6 +151,18 @@ OBJECTIVES: dict[str, Callable[[Tensor, Tensor, Tensor, LossConfig], tuple[Tenso
 }
 
 
+def reference_kl(trainer_logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(π || π_ref): exp(ref − π) − (ref − π) − 1, ≥ 0, exactly 0 where π = ref.
+
+    With x = π_ref / π at a token sampled from π, E[x] = 1 and E[−log x] = KL(π || π_ref), so k3 = x − 1 − log x is
+    unbiased with lower variance than −log x alone (Schulman, "Approximating KL divergence"). The tokens come from
+    the sampler μ, not π; the ratio masks keep only tokens where μ ≈ π. The reference is data: gradient flows through
+    π only, d k3 / dπ = 1 − exp(ref − π) (pushes π down where it exceeds the reference, up where it falls below).
+    """
+    log_ratio = ref_logprobs.detach() - trainer_logprobs
+    return log_ratio.exp() - log_ratio - 1
+
+
 def _count_samples(token_mask: Tensor, sample_ids: Tensor, num_samples: int) -> Tensor:
     """Number of samples with at least one token in `token_mask`."""
     hits = torch.zeros(num_samples, dtype=torch.float64, device=token_mask.device)
@@ -166,8 +178,14 @@ def compute_loss(
     num_samples: int,
     loss_scale: float,
     config: LossConfig,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Σ over kept tokens of the objective's L_t, divided by `loss_scale`, and detached stats.
+
+    With `ref_logprobs` (a frozen reference's, `[reference]`), β·`reference_kl` joins every kept token's L_t, so
+    the penalty is normalised and masked exactly like the objective; the stats gain `ref_kl_sum`, k3 summed over
+    every loss token (kept or not), averaged like `mismatch_kl_sum`.
 
     `loss_scale` is the loss-token count of the whole step (all micro-batches and ranks), not of this call,
     so the summed gradients equal those of one big batch. Stats are float64 0-d sums and counts, made to be
@@ -178,6 +196,8 @@ def compute_loss(
     for name, tensor in (("inference_logprobs", inference_logprobs), ("advantages", advantages)):
         if tensor.shape != (n,):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected ({n},)")
+    if ref_logprobs is not None and ref_logprobs.shape != (n,):
+        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, expected ({n},)")
     if loss_mask.shape != (n,) or sample_ids.shape != (n,):
         raise ValueError(f"loss_mask {tuple(loss_mask.shape)} and sample_ids {tuple(sample_ids.shape)} must be ({n},)")
     loss_mask = loss_mask.bool()
@@ -200,6 +220,8 @@ def compute_loss(
     policy_logprobs = torch.where(keep, trainer_logprobs, 0.0)
 
     per_token, clipped = OBJECTIVES[config.objective](policy_logprobs, ratio_input, effective_adv, config)
+    if ref_logprobs is not None:  # zeroed like π on dropped tokens, where k3 is then exactly 0
+        per_token = per_token + beta * reference_kl(policy_logprobs, torch.where(keep, ref_logprobs, 0.0))
     loss = torch.where(keep, per_token, 0.0).sum() / loss_scale
 
     with torch.no_grad():
@@ -219,4 +241,7 @@ def compute_loss(
             "sequence_masked_samples": _count_samples(seq, sample_ids, num_samples),
             "clipped_tokens": (clipped & keep).sum().to(f64),
         }
+        if ref_logprobs is not None:
+            ref_kl = reference_kl(trainer_logprobs.detach().to(f64), ref_logprobs.to(f64))
+            stats["ref_kl_sum"] = torch.where(loss_mask, ref_kl, 0.0).sum()
     return loss, stats

@@ -40,6 +40,7 @@ from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
 from prime_rl.trainer.loss import compute_loss
 from prime_rl.trainer.packing import PackedRow
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
+from prime_rl.trainer.reference import Reference, load_reference
 from prime_rl.trainer.scaffold import (
     Run,
     StepMeter,
@@ -77,6 +78,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
     in_memory = config.weight_broadcast.in_memory and config.bench is None
     sender = WeightSender(config.weight_broadcast, world) if in_memory else None  # listening before the model loads
     run = build_run(config, world, "trainer", max_steps, "training")
+    reference = load_reference(config, world, run.model)
     if sender is not None:
         sender.publish(run.progress.step)  # a server (re)starting before step 1 gets these weights
     critic = None
@@ -101,7 +103,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         if critic is not None:  # the rows' token rewards become GAE advantages under the values at the step's start
             prepared, critic_sums = prepare(critic.model, rows, config.critic, world)
         run.model.train()
-        totals = train_step(run.model, rows, {0: loss_scale}, config, world)[0]
+        totals = train_step(run.model, rows, {0: loss_scale}, config, world, reference=reference)[0]
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         if critic is not None:
             value_sums, critic_grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)
@@ -238,12 +240,18 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
 
 
 def train_step(
-    model, rows: list[PackedRow], loss_scales: dict[int, float], config: TrainerConfig, world: World, adapters=None
+    model,
+    rows: list[PackedRow],
+    loss_scales: dict[int, float],
+    config: TrainerConfig,
+    world: World,
+    adapters=None,
+    reference: Reference | None = None,
 ) -> dict[int, dict[str, float]]:
     """Forward/backward every micro-batch of this rank; returns summed statistics per slot (rows of slot s are run s's,
     their loss divided by `loss_scales[s]`, run s's loss tokens in the whole step). Not yet reduced across ranks; the
     ranks of a context-parallel group compute the same ones, which only its first rank reports. `adapters`: the LoRA
-    adapters (`lora.py`), told which slot each token trains."""
+    adapters (`lora.py`), told which slot each token trains; `reference`: the frozen policy of the KL penalty."""
     totals: dict[int, dict[str, torch.Tensor]] = {slot: {} for slot in loss_scales}
     first = min(loss_scales)
 
@@ -252,6 +260,7 @@ def train_step(
         totals[slot][key] = totals[slot][key] + value if key in totals[slot] else value
 
     for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
+        ref_logp = reference.logprobs(batch, world) if reference is not None else None
         with adapters.tokens(batch.slots, first) if adapters is not None else nullcontext():
             logp, entropy = forward_logprobs(model, batch, world)
             tokens = {name: getattr(batch, name).view(-1) for name in ("loss_mask", "inference_logprobs", "advantages")}
@@ -261,9 +270,10 @@ def train_step(
             for slot in present:
                 pick = whole if len(present) == 1 else partial(select, slots.view(-1) == slot)
                 mask = pick(tokens["loss_mask"])
+                kl = {} if ref_logp is None else {"ref_logprobs": pick(ref_logp), "beta": config.reference.beta}
                 slot_loss, stats = compute_loss(
                     pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
-                    pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss,
+                    pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss, **kl,
                 )  # fmt: skip
                 loss = loss + slot_loss
                 add(slot, "loss", slot_loss)
@@ -333,6 +343,8 @@ def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
         "policy_version/max": info["policy_version/max"],
         "mismatch_kl": sums.get("mismatch_kl_sum", 0.0) / tokens,
     }
+    if "ref_kl_sum" in sums:  # [reference]: the drift from the frozen reference, KL(pi || pi_ref) per loss token
+        metrics["ref_kl"] = sums["ref_kl_sum"] / tokens
     for key in ("masked_tokens", "masked_low", "masked_high", "clipped_tokens"):
         metrics[key.removesuffix("_tokens") + "_fraction"] = sums.get(key, 0.0) / tokens
     for key in ("geo_masked_samples", "sequence_masked_samples"):
@@ -342,10 +354,11 @@ def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
 
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
-    critic = f" | value_loss {metrics['value_loss']:.4f}" if "value_loss" in metrics else ""
+    critic = f"value_loss {metrics['value_loss']:.4f} | " if "value_loss" in metrics else ""
+    ref_kl = f"ref_kl {metrics['ref_kl']:.2e} | " if "ref_kl" in metrics else ""
     logger.info(
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
-        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e}{critic} | grad_norm {metrics['grad_norm']:.3f} | "
+        f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | {critic}{ref_kl}grad_norm {metrics['grad_norm']:.3f} | "
         f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | "
         f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"

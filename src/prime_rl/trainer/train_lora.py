@@ -23,6 +23,7 @@ from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.lora import LoRAAdapters
+from prime_rl.trainer.reference import load_reference
 from prime_rl.trainer.runs import Changes, Run, Runs
 from prime_rl.trainer.scaffold import StepMeter, all_reduce_sums, load_model, next_rows
 from prime_rl.trainer.train import BATCH_ERRORS, load_batch, policy_versions, rl_metrics, train_step, wait_until
@@ -34,6 +35,7 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
     model, export_dtype = load_model(config, world)
     adapters = LoRAAdapters(model, config.model.lora, config.max_concurrent_runs, world.device)
     runs = Runs(config, adapters, world.is_main, monitor)
+    reference = load_reference(config, world, model, adapters)
     vocab_size = model.config.vocab_size
     meters: dict[str, StepMeter] = {}
     logger.info(
@@ -58,7 +60,7 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
         if trained:
             model.train()
             scales = {run.slot: max(info["slots"][run.slot]["loss_tokens"], 1) for run in trained}
-            totals = train_step(model, rows, scales, config, world, adapters)
+            totals = train_step(model, rows, scales, config, world, adapters, reference)
             adapters.all_reduce_grads([run.slot for run in trained], world.world_size)
             steps = {run.name: runs.optimizer_step(run) for run in trained}
             sums = {run.name: all_reduce_sums(totals[run.slot], world) for run in trained}
@@ -119,9 +121,10 @@ def take_batches(ready: list[Run], vocab_size: int, seq_len: int) -> tuple[dict[
 
 
 def log_run_step(run: Run, metrics: dict) -> None:
+    ref_kl = f"ref_kl {metrics['ref_kl']:.2e} | " if "ref_kl" in metrics else ""
     logger.info(
         f"step {run.progress.step} | run {run.name} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
-        f"mismatch_kl {metrics['mismatch_kl']:.2e} | grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
+        f"mismatch_kl {metrics['mismatch_kl']:.2e} | {ref_kl}grad_norm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
         f"{metrics['samples']} samples | runs in step {metrics['runs_in_step']} | wait {metrics['time_data']:.2f}s "
         f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s"
     )
