@@ -36,7 +36,9 @@ VARIANTS: dict[str, list[str]] = {
     "cispo": ["--trainer.loss.objective", "cispo"],
     "reinforce-pp": ["--orchestrator.advantage.estimator", "reinforce_pp"],
     "gpg": ["--orchestrator.advantage.estimator", "gpg"],
-    "ppo-critic": ["--trainer.critic"],
+    "reinforce": ["--orchestrator.advantage.estimator", "reinforce"],
+    # The critic gets the policy's learning rate (its default, 1e-5, suits pretrained models, not 30 steps of this one).
+    "ppo-critic": ["--trainer.critic.optim.lr", "1e-3", "--trainer.loss.objective", "grpo"],
     "grpo-ref-kl": ["--trainer.reference.beta", "0.05"],
 }
 """Name -> the `rl` flags that make the variant (on top of configs/reverse_text/rl.toml)."""
