@@ -383,3 +383,32 @@ def test_logging_writes_each_library_line_once(tmp_path, capfd):
     assert "deprecated thing" in text and "not shown at info" not in text
     assert capfd.readouterr().err.count("library says hi") == 1
     assert log_file == tmp_path / "logs" / "unit.log" and os.path.getsize(log_file) > 0
+
+
+def test_inference_refuses_a_port_another_server_holds(tmp_path):
+    """vLLM binds with SO_REUSEPORT when it runs several API processes, so a second server on the same port would
+    silently share connections with the first; `inference` must stop before loading anything."""
+    import socket
+    import subprocess
+    import sys
+
+    from prime_rl.utils.net import port_in_use
+
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as vLLM's own socket
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        assert port_in_use("127.0.0.1", port)
+        entry = "from prime_rl.inference.server import main; main()"
+        args = [sys.executable, "-c", entry, "--model.name", str(tmp_path), "--server.port", str(port)]
+        args += ["--output-dir", str(tmp_path / "out")]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1
+        assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+        assert not (tmp_path / "out" / "logs").exists()  # stopped before logging, vLLM or the engine
+    finally:
+        holder.close()
+    assert not port_in_use("127.0.0.1", port)

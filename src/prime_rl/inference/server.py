@@ -13,6 +13,7 @@ import time
 
 from prime_rl.config.loader import ConfigError, load_config, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
+from prime_rl.utils.net import port_in_use
 
 PLUGIN_NAME = "prime_rl"
 
@@ -51,6 +52,11 @@ def _enable_plugin() -> None:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     config, extra = load_config(InferenceConfig, "inference", argv, check_passthrough=_check_passthrough)
+    if port_in_use(config.server.host, config.server.port):
+        raise SystemExit(
+            f"inference: error: port {config.server.port} on {config.server.host} is already in use (another server?); "
+            "a second vLLM on it would share its connections with the first: pick another with --server.port"
+        )
     # Environment for vLLM, set before it reads its settings (and inherited by its engine processes).
     _enable_plugin()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
