@@ -1,14 +1,15 @@
 """Advantage estimators and policy losses side by side on reverse-text: held-out reward and wall time per choice.
 
     uv run python benchmarks/bench_algorithms.py                      # every variant below (needs run.sh's SFT)
-    uv run python benchmarks/bench_algorithms.py --variants grpo,rloo --out outputs/bench-algorithms
+    uv run python benchmarks/bench_algorithms.py --variants grpo,rloo --out outputs/bench-algorithms [--reuse]
 
 Each variant is one `rl @ configs/reverse_text/rl.toml` from the same SFT weights with the same settings (steps,
 batch, task seed 0, trainer seed, learning rate) and one or two keys changed; each runs from scratch into its own
 output dir, one after the other. Then one `eval` (a single vLLM server, `/update_weights` between policies) scores
 the SFT policy and every variant's last policy on the demo's 200 held-out tasks (taskset seed 1, 2 rollouts each).
 Prints per variant: the keys it sets, held-out reward (mean ± std over rollouts), training reward (orchestrator's
-`reward/mean`, mean of the last three steps), the `rl` wall time and that time without vLLM's start.
+`reward/mean`, mean of the last three steps), the `rl` wall time and that time without vLLM's start. `--reuse` keeps
+the variants already run into `--out` (their times are saved beside them) and runs only the others, then evaluates all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -60,12 +60,12 @@ def train_reward_last3(run_dir: Path) -> float:
     return sum(values) / len(values)
 
 
-def evaluate(eval_config: Path, out: Path, policies: dict[str, Path]) -> dict[str, dict]:
+def evaluate(eval_config: Path, out: Path, policies: dict[str, Path], port: int) -> dict[str, dict]:
     """One `eval` of `policies` (label -> weights dir) plus the SFT policy it serves; label -> reward summary."""
     config = tomllib.loads(eval_config.read_text()) | {"weights": {label: str(p) for label, p in policies.items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-eval.toml").write_text(tomli_w.dumps(config))  # the CLI would merge into eval.toml's [weights]
-    args = [EVAL, "@", str(out / "bench-eval.toml"), "--output-dir", str(out)]
+    args = [EVAL, "@", str(out / "bench-eval.toml"), "--output-dir", str(out), "--inference.server.port", str(port)]
     done = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--sft", type=Path, default=Path("outputs/reverse-text/sft/weights/step_450"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench-algorithms"))
+    parser.add_argument("--reuse", action="store_true", help="keep variants already run into --out (and their times)")
+    parser.add_argument("--port", type=int, default=8000, help="the inference server's port (rl's and eval's)")
     args = parser.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -89,12 +91,16 @@ def main() -> None:
     times = {}
     for name in names:
         out = args.out / name
+        if args.reuse and (out / "bench-times.json").exists():
+            times[name] = json.loads((out / "bench-times.json").read_text())
+            print(f"{name}: reusing the run in {out}", flush=True)
+            continue
         print(f"{name}: rl @ {args.config} --output-dir {out} {' '.join(VARIANTS[name])}", flush=True)
-        start = time.perf_counter()
-        times[name] = launch(args.config, out, None, VARIANTS[name])
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+        times[name] = launch(args.config, out, None, [*VARIANTS[name], "--inference.server.port", str(args.port)])
+        (out / "bench-times.json").write_text(json.dumps(times[name]))
+        print(f"{name}: {times[name]['wall']:.0f} s", flush=True)
     policies = {name: args.out / name / "broadcasts" for name in names}
-    scores = evaluate(args.eval_config, args.out / "eval", {"sft": args.sft} | policies)
+    scores = evaluate(args.eval_config, args.out / "eval", {"sft": args.sft} | policies, args.port)
 
     rows = []
     for name in ["sft", *names]:
