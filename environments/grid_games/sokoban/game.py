@@ -9,33 +9,11 @@ Text format (`Level.rows`, what task data stores; `render` spaces the cells out 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, replace
 
-Pos = tuple[int, int]
-"""(row, column)."""
+from grid_games.game import MOVES, Pos, TurnGame, add, render_rows
 
-MOVES: dict[str, Pos] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
-
-# A move word stands alone: not inside a word, nor after an apostrophe (the `d` of "I'd" is no move).
-_MOVE_WORD = re.compile(r"(?<![\w'’])(up|down|left|right|u|d|l|r)(?![\w'’])", re.IGNORECASE)
-_LETTER = {"u": "up", "d": "down", "l": "left", "r": "right"}
-
-
-def parse_move(reply: str | None) -> str | None:
-    """The last move named in the reply, as `up`/`down`/`left`/`right`, or None. Accepted (any case, as whole
-    words, not after an apostrophe): `up`, `down`, `left`, `right` and the letters `U`, `D`, `L`, `R`
-    (`Move: right`, `I go L.`)."""
-    matches = _MOVE_WORD.findall(reply or "")
-    if not matches:
-        return None
-    word = matches[-1].lower()
-    return _LETTER.get(word, word)
-
-
-def _add(pos: Pos, delta: Pos) -> Pos:
-    return pos[0] + delta[0], pos[1] + delta[1]
 
 
 @dataclass(frozen=True)
@@ -105,12 +83,12 @@ class Level:
         """The position after `move`, and what happened: `moved`, `pushed`, `wall` (walked into a wall) or
         `blocked` (the box ahead has a wall or a box behind it); the last two leave the position unchanged."""
         delta = MOVES[move]
-        ahead = _add(self.player, delta)
+        ahead = add(self.player, delta)
         if ahead in self.walls:
             return self, "wall"
         if ahead not in self.boxes:
             return replace(self, player=ahead), "moved"
-        behind = _add(ahead, delta)
+        behind = add(ahead, delta)
         if behind in self.walls or behind in self.boxes:
             return self, "blocked"
         return replace(self, player=ahead, boxes=(self.boxes - {ahead}) | {behind}), "pushed"
@@ -118,7 +96,7 @@ class Level:
 
 def render(level: Level) -> str:
     """The board as the model sees it: one line per row, cells separated by spaces."""
-    return "\n".join(" ".join(row) for row in level.rows)
+    return render_rows(level.rows)
 
 
 def solve(level: Level, max_moves: int | None = None) -> list[str] | None:
@@ -187,7 +165,7 @@ def _carve(rng: random.Random, size: int) -> set[Pos]:
     for _ in range(100 * len(interior)):  # bounded: in practice the target is reached in a few dozen steps
         if len(floor) >= target:
             break
-        nxt = _add(pos, rng.choice(list(MOVES.values())))
+        nxt = add(pos, rng.choice(list(MOVES.values())))
         if 1 <= nxt[0] <= size - 2 and 1 <= nxt[1] <= size - 2:
             pos = nxt
             floor.add(pos)
@@ -208,10 +186,10 @@ def _draw(rng: random.Random, size: int, boxes: int) -> tuple[Level, list[str]] 
     for _ in range(10 * len(cells)):
         move = rng.choice(list(MOVES))
         delta = MOVES[move]
-        ahead = _add(player, delta)
+        ahead = add(player, delta)
         if ahead not in floor or ahead in box_set:
             continue
-        pulled = _add(player, (-delta[0], -delta[1]))
+        pulled = add(player, (-delta[0], -delta[1]))
         if pulled in box_set and rng.random() < PULL_PROBABILITY:
             box_set = (box_set - {pulled}) | {player}
         player = ahead
@@ -243,61 +221,29 @@ def generate(rng: random.Random, size: int, boxes: int, max_moves: int) -> Gener
 
 # --- the game a chat episode plays ------------------------------------------------------------------------------
 
-NOTES = {
-    "moved": "You moved {move}.",
-    "pushed": "You pushed a box {move}.",
-    "wall": "You walked into a wall; nothing moved.",
-    "blocked": "The box cannot move {move}: a wall or another box is behind it; nothing moved.",
-}
-UNREADABLE = "No move found in your reply. Reply with one move: up, down, left or right."
-
 
 def status(level: Level, turns_left: int) -> str:
     return f"Boxes on goals: {level.boxes_on_goals} of {len(level.boxes)}. Turns left: {turns_left}."
 
 
-@dataclass
-class Game:
+class Game(TurnGame[Level]):
     """One episode: every reply is a turn. It ends when the level is solved, after `max_turns` replies, or at the
-    `max_invalid`-th reply without a move."""
+    `max_invalid`-th reply without a move. Blocked moves: into a wall, or a box that cannot move."""
 
-    level: Level
-    max_turns: int
-    max_invalid: int
-    turns: int = 0
-    moves: int = 0
-    """Replies that named a move (blocked ones included)."""
-    invalid: int = 0
-    """Replies that named no move."""
-    blocked: int = 0
-    """Moves that changed nothing (a wall, or a box that cannot move)."""
+    NOTES = {
+        "moved": "You moved {move}.",
+        "pushed": "You pushed a box {move}.",
+        "wall": "You walked into a wall; nothing moved.",
+        "blocked": "The box cannot move {move}: a wall or another box is behind it; nothing moved.",
+    }
+    BLOCKED = frozenset({"wall", "blocked"})
 
     @property
-    def over(self) -> bool:
-        return self.level.solved or self.turns >= self.max_turns or self.invalid >= self.max_invalid
+    def level(self) -> Level:
+        return self.board
 
-    def play(self, reply: str | None) -> str:
-        """Apply one reply; returns what the player is told next (a note, the board, the status)."""
-        if self.over:
-            raise ValueError("the game is over")
-        self.turns += 1
-        move = parse_move(reply)
-        if move is None:
-            self.invalid += 1
-            note = UNREADABLE
-        else:
-            self.moves += 1
-            self.level, outcome = self.level.step(move)
-            self.blocked += outcome in ("wall", "blocked")
-            note = NOTES[outcome].format(move=move)
-        return f"{note}\n\n{render(self.level)}\n\n{status(self.level, self.max_turns - self.turns)}"
+    def finished(self) -> bool:
+        return self.level.solved
 
-    @classmethod
-    def replay(cls, level: Level, replies: list[str | None], max_turns: int, max_invalid: int) -> Game:
-        """The game those replies played (replies past its end are ignored)."""
-        game = cls(level, max_turns, max_invalid)
-        for reply in replies:
-            if game.over:
-                break
-            game.play(reply)
-        return game
+    def status_line(self, turns_left: int) -> str:
+        return status(self.level, turns_left)

@@ -9,33 +9,10 @@ Text format (`Lake.rows`, what task data stores; `render` spaces the cells out f
 from __future__ import annotations
 
 import random
-import re
 from collections import deque
 from dataclasses import dataclass, replace
 
-Pos = tuple[int, int]
-"""(row, column)."""
-
-MOVES: dict[str, Pos] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
-
-# A move word stands alone: not inside a word, nor after an apostrophe (the `d` of "I'd" is no move).
-_MOVE_WORD = re.compile(r"(?<![\w'’])(up|down|left|right|u|d|l|r)(?![\w'’])", re.IGNORECASE)
-_LETTER = {"u": "up", "d": "down", "l": "left", "r": "right"}
-
-
-def parse_move(reply: str | None) -> str | None:
-    """The last move named in the reply, as `up`/`down`/`left`/`right`, or None. Accepted (any case, as whole
-    words, not after an apostrophe): `up`, `down`, `left`, `right` and the letters `U`, `D`, `L`, `R`
-    (`Move: right`, `I go L.`)."""
-    matches = _MOVE_WORD.findall(reply or "")
-    if not matches:
-        return None
-    word = matches[-1].lower()
-    return _LETTER.get(word, word)
-
-
-def _add(pos: Pos, delta: Pos) -> Pos:
-    return pos[0] + delta[0], pos[1] + delta[1]
+from grid_games.game import MOVES, Pos, TurnGame, add, render_rows
 
 
 @dataclass(frozen=True)
@@ -92,7 +69,7 @@ class Lake:
     def step(self, move: str) -> tuple[Lake, str]:
         """The position after `move`, and what happened: `moved`, `fell` (into a hole), `won` (reached the goal)
         or `edge` (off the grid: nothing moves)."""
-        ahead = _add(self.player, MOVES[move])
+        ahead = add(self.player, MOVES[move])
         if not self.inside(ahead):
             return self, "edge"
         lake = replace(self, player=ahead)
@@ -102,7 +79,7 @@ class Lake:
 def render(lake: Lake) -> str:
     """The lake as the model sees it: one line per row, cells separated by spaces. A player in a hole shows as
     `P` (the game is over then)."""
-    return "\n".join(" ".join(row) for row in lake.rows)
+    return render_rows(lake.rows)
 
 
 def distances(lake: Lake) -> dict[Pos, int]:
@@ -113,7 +90,7 @@ def distances(lake: Lake) -> dict[Pos, int]:
     while frontier:
         pos = frontier.popleft()
         for delta in MOVES.values():
-            nxt = _add(pos, delta)
+            nxt = add(pos, delta)
             if lake.inside(nxt) and nxt not in lake.holes and nxt not in dist:
                 dist[nxt] = dist[pos] + 1
                 frontier.append(nxt)
@@ -127,9 +104,9 @@ def solve(lake: Lake) -> list[str] | None:
         return None
     moves, pos = [], lake.player
     while pos != lake.goal:
-        move = next(m for m, d in MOVES.items() if dist.get(_add(pos, d)) == dist[pos] - 1)
+        move = next(m for m, d in MOVES.items() if dist.get(add(pos, d)) == dist[pos] - 1)
         moves.append(move)
-        pos = _add(pos, MOVES[move])
+        pos = add(pos, MOVES[move])
     return moves
 
 
@@ -160,7 +137,7 @@ def _carve(rng: random.Random, size: int, start: Pos, goal: Pos, max_len: int) -
         here = path[-1]
         if here == goal:
             break
-        steps = [_add(here, d) for d in MOVES.values()]
+        steps = [add(here, d) for d in MOVES.values()]
         steps = [p for p in steps if 0 <= p[0] < size and 0 <= p[1] < size]
         closer = [p for p in steps if _manhattan(p, goal) < _manhattan(here, goal)]
         nxt = rng.choice(closer if rng.random() < TOWARD_GOAL else steps)
@@ -176,7 +153,7 @@ def _carve(rng: random.Random, size: int, start: Pos, goal: Pos, max_len: int) -
     path = [start]
     while path[-1] != goal:
         here = path[-1]
-        closer = [_add(here, d) for d in MOVES.values() if _manhattan(_add(here, d), goal) < _manhattan(here, goal)]
+        closer = [add(here, d) for d in MOVES.values() if _manhattan(add(here, d), goal) < _manhattan(here, goal)]
         path.append(rng.choice(closer))
     return path
 
@@ -205,61 +182,29 @@ def generate(rng: random.Random, size: int, hole_fraction: float, max_moves: int
 
 # --- the game a chat episode plays ------------------------------------------------------------------------------
 
-NOTES = {
-    "moved": "You moved {move}.",
-    "edge": "You bumped into the edge of the lake; nothing moved.",
-    "won": "You reached the goal.",
-    "fell": "You fell into a hole.",
-}
-UNREADABLE = "No move found in your reply. Reply with one move: up, down, left or right."
-
 
 def status(turns_left: int) -> str:
     return f"Turns left: {turns_left}."
 
 
-@dataclass
-class Game:
+class Game(TurnGame[Lake]):
     """One episode: every reply is a turn. It ends at the goal, in a hole, after `max_turns` replies, or at the
-    `max_invalid`-th reply without a move."""
+    `max_invalid`-th reply without a move. Blocked moves: off the grid (nothing moves)."""
 
-    lake: Lake
-    max_turns: int
-    max_invalid: int
-    turns: int = 0
-    moves: int = 0
-    """Replies that named a move (bumps included)."""
-    invalid: int = 0
-    """Replies that named no move."""
-    blocked: int = 0
-    """Moves off the grid (nothing moved)."""
+    NOTES = {
+        "moved": "You moved {move}.",
+        "edge": "You bumped into the edge of the lake; nothing moved.",
+        "won": "You reached the goal.",
+        "fell": "You fell into a hole.",
+    }
+    BLOCKED = frozenset({"edge"})
 
     @property
-    def over(self) -> bool:
-        return self.lake.won or self.lake.fell or self.turns >= self.max_turns or self.invalid >= self.max_invalid
+    def lake(self) -> Lake:
+        return self.board
 
-    def play(self, reply: str | None) -> str:
-        """Apply one reply; returns what the player is told next (a note, the lake, the status)."""
-        if self.over:
-            raise ValueError("the game is over")
-        self.turns += 1
-        move = parse_move(reply)
-        if move is None:
-            self.invalid += 1
-            note = UNREADABLE
-        else:
-            self.moves += 1
-            self.lake, outcome = self.lake.step(move)
-            self.blocked += outcome == "edge"
-            note = NOTES[outcome].format(move=move)
-        return f"{note}\n\n{render(self.lake)}\n\n{status(self.max_turns - self.turns)}"
+    def finished(self) -> bool:
+        return self.lake.won or self.lake.fell
 
-    @classmethod
-    def replay(cls, lake: Lake, replies: list[str | None], max_turns: int, max_invalid: int) -> Game:
-        """The game those replies played (replies past its end are ignored)."""
-        game = cls(lake, max_turns, max_invalid)
-        for reply in replies:
-            if game.over:
-                break
-            game.play(reply)
-        return game
+    def status_line(self, turns_left: int) -> str:
+        return status(turns_left)

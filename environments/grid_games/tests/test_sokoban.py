@@ -1,14 +1,10 @@
-import asyncio
-
-import env_testkit as kit
+import grid_players as players
 import pytest
 import verifiers.v1 as vf
 from pydantic import ValidationError
 from sokoban import SYSTEM_PROMPT, SokobanConfig, SokobanData, SokobanEnv, SokobanTask, generate_level, opening_prompt
-from sokoban.game import Game, Level, parse_move, render, solve
+from sokoban.game import Game, Level, render, solve
 
-# verifiers keeps some asyncio state bound to the loop that first used it: one loop for this module.
-LOOP = asyncio.new_event_loop()
 API_KEY_VAR = "SOKOBAN_TEST_API_KEY"
 
 # Two boxes ($) left and right of the player (@), goals (.) top-left and far right.
@@ -29,30 +25,6 @@ def apply(level: Level, moves: list[str]) -> Level:
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("reply", "move"),
-    [
-        ("up", "up"),
-        (" Down\n", "down"),
-        ("LEFT", "left"),
-        ("Move: right.", "right"),
-        ("U", "up"),
-        ("d", "down"),
-        ("I go L", "left"),
-        ("R!", "right"),
-        ("left, no, up", "up"),  # the last move named
-        ("upward", None),  # whole words only
-        ("I'd rather not", None),  # the d of "I'd" is no move
-        ("I'd go r", "right"),
-        ("hmm", None),
-        ("", None),
-        (None, None),
-    ],
-)
-def test_parse_move(reply, move):
-    assert parse_move(reply) == move
 
 
 def test_level_text_round_trips_and_renders():
@@ -184,6 +156,20 @@ def test_taskset_prompts_and_env():
 # --- episodes through verifiers ---------------------------------------------------------------------------------
 
 
+def first_optimal_move(rows: list[str]) -> str:
+    return solve(Level.parse(rows))[0]
+
+
+# Reads the board in the last user message and plays the first move of an optimal solution.
+solver_player = players.solver_player(lambda block: block.startswith("#"), first_optimal_move)
+replies = players.replies
+only_trace = players.only_trace
+
+
+def run(script, tasks, agent: dict | None = None, **taskset_args):
+    return players.run("sokoban", API_KEY_VAR, script, tasks, agent, **taskset_args)
+
+
 def make_task(rows: list[str], max_turns: int = 30, max_invalid: int = 3) -> SokobanTask:
     level = Level.parse(rows)
     data = SokobanData(
@@ -195,34 +181,6 @@ def make_task(rows: list[str], max_turns: int = 30, max_invalid: int = 3) -> Sok
         max_invalid=max_invalid,
     )
     return SokobanTask(data)
-
-
-def replies(*texts: str):
-    """The n-th request (n - 1 assistant messages in it) gets texts[n - 1]."""
-
-    def script(body: dict) -> dict:
-        return {"content": texts[sum(m["role"] == "assistant" for m in body["messages"])]}
-
-    return script
-
-
-def solver_player(body: dict) -> dict:
-    """Reads the board in the last user message and plays the first move of an optimal solution."""
-    text = body["messages"][-1]["content"]
-    board = next(block for block in text.split("\n\n") if block.startswith("#"))
-    return {"content": solve(Level.parse([line.replace(" ", "") for line in board.splitlines()]))[0]}
-
-
-def run(script, tasks, agent: dict | None = None, **taskset_args):
-    agent = {"harness": {"id": "env_testkit"}, **(agent or {})}
-    config = {"taskset": {"id": "sokoban", **taskset_args}, "agent": agent}
-    return LOOP.run_until_complete(kit.run_episodes(config, script, tasks, api_key_var=API_KEY_VAR))
-
-
-def only_trace(episode: vf.Episode) -> vf.Trace:
-    (trace,) = episode.traces
-    assert episode.ok and not trace.has_error, (episode.errors, trace.errors)
-    return trace
 
 
 def test_solver_player_solves_every_level_in_the_optimal_number_of_turns(monkeypatch):

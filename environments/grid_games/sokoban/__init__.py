@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
+from grid_games import GridEnv, trace_replies
 from pydantic import Field, model_validator
 
 from sokoban.game import Game, Generated, Level, generate, render, status
@@ -52,8 +53,7 @@ class SokobanData(vf.TaskData):
 
 def replayed(data: SokobanData, trace: vf.Trace) -> Game:
     """The game the trace's replies played on the task's level."""
-    replies = [message.content for message in trace.assistant_messages]
-    return Game.replay(Level.parse(data.level), replies, data.max_turns, data.max_invalid)
+    return Game.replay(Level.parse(data.level), trace_replies(trace), data.max_turns, data.max_invalid)
 
 
 class SokobanTask(vf.Task[SokobanData]):
@@ -129,22 +129,9 @@ class SokobanTaskset(vf.Taskset[SokobanTask, SokobanConfig]):
 # --- the env ----------------------------------------------------------------------------------------------------
 
 
-class SokobanEnvConfig(vf.EnvConfig):
-    # A tool-less chat loop runs locally by default (verifiers' default is a remote sandbox).
-    agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
-    """The player (the policy). Its harness must be resumable: the env resumes it on each new board."""
-
-
-class SokobanEnv(vf.Env[SokobanEnvConfig]):
-    async def run(self, task: SokobanTask, agents: vf.Agents) -> None:
-        game = Game(Level.parse(task.data.level), task.data.max_turns, task.data.max_invalid)
-        async with agents.agent.interaction(task) as player:
-            segment = await player.turn()  # the task's prompt (the opening board) speaks first
-            while not segment.terminated:
-                answer = game.play(segment.last_reply)
-                if game.over:
-                    break
-                segment = await player.turn(answer)
+class SokobanEnv(GridEnv):
+    def new_game(self, task: SokobanTask) -> Game:
+        return Game(Level.parse(task.data.level), task.data.max_turns, task.data.max_invalid)
 
 
 __all__ = ["SokobanTaskset", "SokobanEnv"]

@@ -1,6 +1,4 @@
-import asyncio
-
-import env_testkit as kit
+import grid_players as players
 import pytest
 import verifiers.v1 as vf
 from frozen_lake import (
@@ -13,11 +11,9 @@ from frozen_lake import (
     opening_prompt,
     progress_credit,
 )
-from frozen_lake.game import Game, Lake, distances, parse_move, render, solve
+from frozen_lake.game import Game, Lake, distances, render, solve
 from pydantic import ValidationError
 
-# verifiers keeps some asyncio state bound to the loop that first used it: one loop for this module.
-LOOP = asyncio.new_event_loop()
 API_KEY_VAR = "FROZEN_LAKE_TEST_API_KEY"
 
 # The player top-left, one hole in the middle, the goal bottom-right: 4 moves around the hole.
@@ -33,25 +29,6 @@ def walk(lake: Lake, moves: list[str]) -> Lake:
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("reply", "move"),
-    [
-        ("up", "up"),
-        (" Down\n", "down"),
-        ("Move: LEFT.", "left"),
-        ("R", "right"),
-        ("I go l", "left"),
-        ("down or maybe right", "right"),  # the last move named
-        ("rightwards", None),
-        ("I'd stop", None),
-        ("no idea", None),
-        (None, None),
-    ],
-)
-def test_parse_move(reply, move):
-    assert parse_move(reply) == move
 
 
 def test_lake_text_round_trips_and_renders():
@@ -182,6 +159,20 @@ def test_taskset_prompts_and_env():
 # --- episodes through verifiers ---------------------------------------------------------------------------------
 
 
+def first_optimal_move(rows: list[str]) -> str:
+    return solve(Lake.parse(rows))[0]
+
+
+# Reads the lake in the last user message and plays the first move of a shortest safe path.
+solver_player = players.solver_player(lambda block: set(block) <= set("PFHG \n"), first_optimal_move)
+replies = players.replies
+only_trace = players.only_trace
+
+
+def run(script, tasks, **taskset_args):
+    return players.run("frozen-lake", API_KEY_VAR, script, tasks, **taskset_args)
+
+
 def make_task(rows: list[str], max_turns: int = 20, max_invalid: int = 3) -> FrozenLakeTask:
     lake = Lake.parse(rows)
     data = FrozenLakeData(
@@ -193,33 +184,6 @@ def make_task(rows: list[str], max_turns: int = 20, max_invalid: int = 3) -> Fro
         max_invalid=max_invalid,
     )
     return FrozenLakeTask(data)
-
-
-def replies(*texts: str):
-    """The n-th request (n - 1 assistant messages in it) gets texts[n - 1]."""
-
-    def script(body: dict) -> dict:
-        return {"content": texts[sum(m["role"] == "assistant" for m in body["messages"])]}
-
-    return script
-
-
-def solver_player(body: dict) -> dict:
-    """Reads the lake in the last user message and plays the first move of a shortest safe path."""
-    text = body["messages"][-1]["content"]
-    board = next(block for block in text.split("\n\n") if set(block) <= set("PFHG \n"))
-    return {"content": solve(Lake.parse([line.replace(" ", "") for line in board.splitlines()]))[0]}
-
-
-def run(script, tasks, **taskset_args):
-    config = {"taskset": {"id": "frozen-lake", **taskset_args}, "agent": {"harness": {"id": "env_testkit"}}}
-    return LOOP.run_until_complete(kit.run_episodes(config, script, tasks, api_key_var=API_KEY_VAR))
-
-
-def only_trace(episode: vf.Episode) -> vf.Trace:
-    (trace,) = episode.traces
-    assert episode.ok and not trace.has_error, (episode.errors, trace.errors)
-    return trace
 
 
 def test_solver_player_solves_every_lake_in_the_optimal_number_of_turns(monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
+from grid_games import GridEnv, trace_replies
 from pydantic import Field, model_validator
 
 from frozen_lake.game import Game, Generated, Lake, distances, generate, render, status
@@ -62,8 +63,7 @@ class FrozenLakeData(vf.TaskData):
 
 def replayed(data: FrozenLakeData, trace: vf.Trace) -> Game:
     """The game the trace's replies played on the task's lake."""
-    replies = [message.content for message in trace.assistant_messages]
-    return Game.replay(Lake.parse(data.lake), replies, data.max_turns, data.max_invalid)
+    return Game.replay(Lake.parse(data.lake), trace_replies(trace), data.max_turns, data.max_invalid)
 
 
 class FrozenLakeTask(vf.Task[FrozenLakeData]):
@@ -139,22 +139,9 @@ class FrozenLakeTaskset(vf.Taskset[FrozenLakeTask, FrozenLakeConfig]):
 # --- the env ----------------------------------------------------------------------------------------------------
 
 
-class FrozenLakeEnvConfig(vf.EnvConfig):
-    # A tool-less chat loop runs locally by default (verifiers' default is a remote sandbox).
-    agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
-    """The player (the policy). Its harness must be resumable: the env resumes it on each new lake."""
-
-
-class FrozenLakeEnv(vf.Env[FrozenLakeEnvConfig]):
-    async def run(self, task: FrozenLakeTask, agents: vf.Agents) -> None:
-        game = Game(Lake.parse(task.data.lake), task.data.max_turns, task.data.max_invalid)
-        async with agents.agent.interaction(task) as player:
-            segment = await player.turn()  # the task's prompt (the opening lake) speaks first
-            while not segment.terminated:
-                answer = game.play(segment.last_reply)
-                if game.over:
-                    break
-                segment = await player.turn(answer)
+class FrozenLakeEnv(GridEnv):
+    def new_game(self, task: FrozenLakeTask) -> Game:
+        return Game(Lake.parse(task.data.lake), task.data.max_turns, task.data.max_invalid)
 
 
 __all__ = ["FrozenLakeTaskset", "FrozenLakeEnv"]
