@@ -20,10 +20,10 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
-from grid_games import GridEnv, trace_replies
+from grid_games import GridConfig, GridData, GridEnv, game_metrics, trace_replies
 from pydantic import Field, model_validator
 
-from frozen_lake.game import Game, Generated, Lake, distances, generate, render, status
+from frozen_lake.game import Game, Generated, Lake, distances, generate
 
 SYSTEM_PROMPT = (
     "You are playing Frozen Lake on a grid. Walk from your square to the goal without falling into a hole. Each "
@@ -32,10 +32,6 @@ SYSTEM_PROMPT = (
     "Legend: P you, F frozen ice (safe), H hole, G goal. Up is toward the top row.\n"
     "Reply with exactly one move: up, down, left or right (or U, D, L, R)."
 )
-
-
-def opening_prompt(lake: Lake, max_turns: int) -> str:
-    return f"{render(lake)}\n\n{status(max_turns)} Your move?"
 
 
 def progress_credit(start: Lake, end: Lake) -> float:
@@ -50,15 +46,9 @@ def progress_credit(start: Lake, end: Lake) -> float:
 # --- the taskset ------------------------------------------------------------------------------------------------
 
 
-class FrozenLakeData(vf.TaskData):
+class FrozenLakeData(GridData):
     lake: list[str]
     """The starting position, one string per row (`game.Lake.rows`)."""
-    optimal_moves: int
-    """The length of a shortest safe path to the goal."""
-    max_turns: int
-    """Replies allowed."""
-    max_invalid: int
-    """The game ends at this many replies without a move."""
 
 
 def replayed(data: FrozenLakeData, trace: vf.Trace) -> Game:
@@ -78,28 +68,16 @@ class FrozenLakeTask(vf.Task[FrozenLakeData]):
     @vf.metric
     async def game(self, trace: vf.Trace) -> dict[str, float]:
         game = replayed(self.data, trace)
-        return {
-            "moves": float(game.moves),
-            "invalid_moves": float(game.invalid),
-            "blocked_moves": float(game.blocked),
-            "fell": float(game.lake.fell),
-            "optimal_moves": float(self.data.optimal_moves),
-        }
+        return {**game_metrics(game, self.data.optimal_moves), "fell": float(game.lake.fell)}
 
 
-class FrozenLakeConfig(vf.TasksetConfig):
-    num_tasks: int = Field(1000, ge=1)
-    """Number of lakes generated."""
-    seed: int = 0
-    """Generator seed: the same seed always yields the same lakes."""
+class FrozenLakeConfig(GridConfig):
     size: int = Field(5, ge=3, le=12)
     """Side of the square lake."""
     hole_fraction: float = Field(0.3, ge=0.0, le=0.9)
     """Chance that a cell off the carved safe path is a hole (the difficulty)."""
     max_turns: int = Field(20, ge=1)
     """Replies allowed per game; at least 2 * (size - 1), so every lake is solvable within it."""
-    max_invalid: int = Field(3, ge=1)
-    """The game ends at this many replies that name no move."""
 
     @model_validator(mode="after")
     def _turns_fit_the_lake(self) -> FrozenLakeConfig:
@@ -120,20 +98,20 @@ def generate_lake(config: FrozenLakeConfig, index: int) -> Generated:
     return generate(level_rng(config.seed, index), config.size, config.hole_fraction, config.max_turns)
 
 
+def new_task(
+    lake: Lake, optimal_moves: int, max_turns: int, max_invalid: int, config: vf.TaskConfig | None = None
+) -> FrozenLakeTask:
+    """A task that starts a game on `lake` (`config`: the taskset's task config, if any)."""
+    data = FrozenLakeData.opening(Game(lake, max_turns, max_invalid), optimal_moves, SYSTEM_PROMPT, lake=lake.rows)
+    return FrozenLakeTask(data, config)
+
+
 class FrozenLakeTaskset(vf.Taskset[FrozenLakeTask, FrozenLakeConfig]):
     def load(self):
         c = self.config
         for index in range(c.num_tasks):
             generated = generate_lake(c, index)
-            data = FrozenLakeData(
-                prompt=opening_prompt(generated.lake, c.max_turns),
-                system_prompt=SYSTEM_PROMPT,
-                lake=generated.lake.rows,
-                optimal_moves=len(generated.solution),
-                max_turns=c.max_turns,
-                max_invalid=c.max_invalid,
-            )
-            yield FrozenLakeTask(data, c.task)
+            yield new_task(generated.lake, len(generated.solution), c.max_turns, c.max_invalid, c.task)
 
 
 # --- the env ----------------------------------------------------------------------------------------------------

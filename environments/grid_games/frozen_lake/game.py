@@ -12,7 +12,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, replace
 
-from grid_games.game import MOVES, Pos, TurnGame, add, render_rows
+from grid_games.game import MOVES, Pos, TurnGame, add, cells, render_rows
 
 
 @dataclass(frozen=True)
@@ -30,16 +30,13 @@ class Lake:
         if not rows or any(len(row) != len(rows) for row in rows):
             raise ValueError(f"a lake is a square of rows, got {rows!r}")
         holes, goals, players = set(), [], []
-        for r, row in enumerate(rows):
-            for c, cell in enumerate(row):
-                if cell not in "PFHG":
-                    raise ValueError(f"unknown cell {cell!r} at row {r}, column {c}")
-                if cell == "H":
-                    holes.add((r, c))
-                elif cell == "G":
-                    goals.append((r, c))
-                elif cell == "P":
-                    players.append((r, c))
+        for pos, cell in cells(rows, "PFHG"):
+            if cell == "H":
+                holes.add(pos)
+            elif cell == "G":
+                goals.append(pos)
+            elif cell == "P":
+                players.append(pos)
         if len(players) != 1 or len(goals) != 1:
             raise ValueError(f"a lake needs one player and one goal, got {rows!r}")
         return cls(len(rows), frozenset(holes), goals[0], players[0])

@@ -7,6 +7,7 @@ A board is text (one string per row, one character per cell). Row 0 is the top: 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Generic, Protocol, Self, TypeVar
 
@@ -35,6 +36,15 @@ def parse_move(reply: str | None) -> str | None:
 
 def add(pos: Pos, delta: Pos) -> Pos:
     return pos[0] + delta[0], pos[1] + delta[1]
+
+
+def cells(rows: list[str], legend: str) -> Iterator[tuple[Pos, str]]:
+    """Each cell of a board's text with its position, row by row; refuses a character that is not in `legend`."""
+    for r, row in enumerate(rows):
+        for c, cell in enumerate(row):
+            if cell not in legend:
+                raise ValueError(f"unknown cell {cell!r} at row {r}, column {c}")
+            yield (r, c), cell
 
 
 def render_rows(rows: list[str]) -> str:
@@ -85,6 +95,10 @@ class TurnGame(Generic[B]):
     def status_line(self, turns_left: int) -> str:
         """The line under the board."""
         raise NotImplementedError
+
+    def opening_prompt(self) -> str:
+        """The task's prompt: the board before any move, then the status and the question."""
+        return f"{render_rows(self.board.rows)}\n\n{self.status_line(self.max_turns)} Your move?"
 
     @property
     def over(self) -> bool:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import random
 
 import verifiers.v1 as vf
-from grid_games import GridEnv, trace_replies
+from grid_games import GridConfig, GridData, GridEnv, game_metrics, trace_replies
 from pydantic import Field, model_validator
 
-from sokoban.game import Game, Generated, Level, generate, render, status
+from sokoban.game import Game, Generated, Level, generate
 
 SYSTEM_PROMPT = (
     "You are playing Sokoban on a grid. Push every box onto a goal square. Each turn, move the player one square "
@@ -33,22 +33,12 @@ SYSTEM_PROMPT = (
 )
 
 
-def opening_prompt(level: Level, max_turns: int) -> str:
-    return f"{render(level)}\n\n{status(level, max_turns)} Your move?"
-
-
 # --- the taskset ------------------------------------------------------------------------------------------------
 
 
-class SokobanData(vf.TaskData):
+class SokobanData(GridData):
     level: list[str]
     """The starting position, one string per row (`game.Level.rows`)."""
-    optimal_moves: int
-    """The length of a shortest solution."""
-    max_turns: int
-    """Replies allowed."""
-    max_invalid: int
-    """The game ends at this many replies without a move."""
 
 
 def replayed(data: SokobanData, trace: vf.Trace) -> Game:
@@ -70,28 +60,16 @@ class SokobanTask(vf.Task[SokobanData]):
 
     @vf.metric
     async def game(self, trace: vf.Trace) -> dict[str, float]:
-        game = replayed(self.data, trace)
-        return {
-            "moves": float(game.moves),
-            "invalid_moves": float(game.invalid),
-            "blocked_moves": float(game.blocked),
-            "optimal_moves": float(self.data.optimal_moves),
-        }
+        return game_metrics(replayed(self.data, trace), self.data.optimal_moves)
 
 
-class SokobanConfig(vf.TasksetConfig):
-    num_tasks: int = Field(1000, ge=1)
-    """Number of levels generated."""
-    seed: int = 0
-    """Generator seed: the same seed always yields the same levels."""
+class SokobanConfig(GridConfig):
     size: int = Field(7, ge=4, le=10)
     """Side of the square room, outer wall included (7: a 5 x 5 interior)."""
     boxes: int = Field(1, ge=1, le=3)
     """Boxes (and goals) per level (generation slows fast with more: 3 boxes in a size-9 room take ~1 s a level)."""
     max_turns: int = Field(30, ge=1)
     """Replies allowed per game; every level is solvable within this many moves."""
-    max_invalid: int = Field(3, ge=1)
-    """The game ends at this many replies that name no move."""
 
     @model_validator(mode="after")
     def _room_fits_boxes(self) -> SokobanConfig:
@@ -110,20 +88,20 @@ def generate_level(config: SokobanConfig, index: int) -> Generated:
     return generate(level_rng(config.seed, index), config.size, config.boxes, config.max_turns)
 
 
+def new_task(
+    level: Level, optimal_moves: int, max_turns: int, max_invalid: int, config: vf.TaskConfig | None = None
+) -> SokobanTask:
+    """A task that starts a game on `level` (`config`: the taskset's task config, if any)."""
+    data = SokobanData.opening(Game(level, max_turns, max_invalid), optimal_moves, SYSTEM_PROMPT, level=level.rows)
+    return SokobanTask(data, config)
+
+
 class SokobanTaskset(vf.Taskset[SokobanTask, SokobanConfig]):
     def load(self):
         c = self.config
         for index in range(c.num_tasks):
             generated = generate_level(c, index)
-            data = SokobanData(
-                prompt=opening_prompt(generated.level, c.max_turns),
-                system_prompt=SYSTEM_PROMPT,
-                level=generated.level.rows,
-                optimal_moves=len(generated.solution),
-                max_turns=c.max_turns,
-                max_invalid=c.max_invalid,
-            )
-            yield SokobanTask(data, c.task)
+            yield new_task(generated.level, len(generated.solution), c.max_turns, c.max_invalid, c.task)
 
 
 # --- the env ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from grid_games.game import MOVES, Pos, TurnGame, add, render_rows
+from grid_games.game import MOVES, Pos, TurnGame, add, cells, render_rows
 
 OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
 
@@ -33,18 +33,15 @@ class Level:
         if not rows or any(len(row) != len(rows[0]) for row in rows):
             raise ValueError(f"a level is a non-empty rectangle of equal-length rows, got {rows!r}")
         walls, goals, boxes, players = set(), set(), set(), []
-        for r, row in enumerate(rows):
-            for c, cell in enumerate(row):
-                if cell not in "#_.$*@+":
-                    raise ValueError(f"unknown cell {cell!r} at row {r}, column {c}")
-                if cell == "#":
-                    walls.add((r, c))
-                if cell in ".*+":
-                    goals.add((r, c))
-                if cell in "$*":
-                    boxes.add((r, c))
-                if cell in "@+":
-                    players.append((r, c))
+        for pos, cell in cells(rows, "#_.$*@+"):
+            if cell == "#":
+                walls.add(pos)
+            if cell in ".*+":
+                goals.add(pos)
+            if cell in "$*":
+                boxes.add(pos)
+            if cell in "@+":
+                players.append(pos)
         height, width = len(rows), len(rows[0])
         border = {(r, c) for r in range(height) for c in range(width) if r in (0, height - 1) or c in (0, width - 1)}
         if not border <= walls:

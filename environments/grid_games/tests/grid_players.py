@@ -42,3 +42,29 @@ def only_trace(episode: vf.Episode) -> vf.Trace:
     (trace,) = episode.traces
     assert episode.ok and not trace.has_error, (episode.errors, trace.errors)
     return trace
+
+
+def assert_solved_optimally(
+    episodes: list[vf.Episode], requests: list[dict], system_prompt: str, partial: str, **metrics
+):
+    """The solver player's episodes: each solved (reward 1; `partial`, the game's partial-credit reward, 0) in the
+    optimal number of turns, with no invalid or blocked move (and the game's own `metrics`), ended by the env."""
+    for episode in episodes:
+        trace = only_trace(episode)
+        optimal = episode.task.data.optimal_moves
+        assert trace.reward == 1.0
+        assert (trace.rewards["solved"].score, trace.rewards[partial].score) == (1.0, 0.0)
+        assert len(trace.assistant_messages) == optimal
+        assert trace.metrics == {
+            "moves": optimal,
+            "invalid_moves": 0.0,
+            "blocked_moves": 0.0,
+            **metrics,
+            "optimal_moves": optimal,
+        }
+        assert trace.stop_condition == "user_closed"  # the env ended the game
+    assert len(requests) == sum(e.task.data.optimal_moves for e in episodes)
+    assert requests[0]["messages"][:2] == [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": episodes[0].task.data.prompt},
+    ]

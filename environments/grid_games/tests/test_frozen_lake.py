@@ -4,11 +4,10 @@ import verifiers.v1 as vf
 from frozen_lake import (
     SYSTEM_PROMPT,
     FrozenLakeConfig,
-    FrozenLakeData,
     FrozenLakeEnv,
     FrozenLakeTask,
     generate_lake,
-    opening_prompt,
+    new_task,
     progress_credit,
 )
 from frozen_lake.game import Game, Lake, distances, render, solve
@@ -175,40 +174,14 @@ def run(script, tasks, **taskset_args):
 
 def make_task(rows: list[str], max_turns: int = 20, max_invalid: int = 3) -> FrozenLakeTask:
     lake = Lake.parse(rows)
-    data = FrozenLakeData(
-        prompt=opening_prompt(lake, max_turns),
-        system_prompt=SYSTEM_PROMPT,
-        lake=rows,
-        optimal_moves=len(solve(lake)),
-        max_turns=max_turns,
-        max_invalid=max_invalid,
-    )
-    return FrozenLakeTask(data)
+    return new_task(lake, len(solve(lake)), max_turns, max_invalid)
 
 
 def test_solver_player_solves_every_lake_in_the_optimal_number_of_turns(monkeypatch):
     monkeypatch.setenv(API_KEY_VAR, "sk-test")
     episodes, requests = run(solver_player, lambda env: list(env.taskset), num_tasks=6, seed=3, hole_fraction=0.5)
     assert len(episodes) == 6
-    for episode in episodes:
-        trace = only_trace(episode)
-        optimal = episode.task.data.optimal_moves
-        assert trace.reward == 1.0
-        assert (trace.rewards["solved"].score, trace.rewards["progress"].score) == (1.0, 0.0)
-        assert len(trace.assistant_messages) == optimal
-        assert trace.metrics == {
-            "moves": optimal,
-            "invalid_moves": 0.0,
-            "blocked_moves": 0.0,
-            "fell": 0.0,
-            "optimal_moves": optimal,
-        }
-        assert trace.stop_condition == "user_closed"  # the env ended the game
-    assert len(requests) == sum(e.task.data.optimal_moves for e in episodes)
-    assert requests[0]["messages"][:2] == [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": episodes[0].task.data.prompt},
-    ]
+    players.assert_solved_optimally(episodes, requests, SYSTEM_PROMPT, "progress", fell=0.0)
 
 
 def test_edge_unreadable_reply_and_a_hole(monkeypatch):

@@ -2,7 +2,7 @@ import grid_players as players
 import pytest
 import verifiers.v1 as vf
 from pydantic import ValidationError
-from sokoban import SYSTEM_PROMPT, SokobanConfig, SokobanData, SokobanEnv, SokobanTask, generate_level, opening_prompt
+from sokoban import SYSTEM_PROMPT, SokobanConfig, SokobanEnv, SokobanTask, generate_level, new_task
 from sokoban.game import Game, Level, render, solve
 
 API_KEY_VAR = "SOKOBAN_TEST_API_KEY"
@@ -172,39 +172,14 @@ def run(script, tasks, agent: dict | None = None, **taskset_args):
 
 def make_task(rows: list[str], max_turns: int = 30, max_invalid: int = 3) -> SokobanTask:
     level = Level.parse(rows)
-    data = SokobanData(
-        prompt=opening_prompt(level, max_turns),
-        system_prompt=SYSTEM_PROMPT,
-        level=rows,
-        optimal_moves=len(solve(level)),
-        max_turns=max_turns,
-        max_invalid=max_invalid,
-    )
-    return SokobanTask(data)
+    return new_task(level, len(solve(level)), max_turns, max_invalid)
 
 
 def test_solver_player_solves_every_level_in_the_optimal_number_of_turns(monkeypatch):
     monkeypatch.setenv(API_KEY_VAR, "sk-test")
     episodes, requests = run(solver_player, lambda env: list(env.taskset), num_tasks=6, seed=3, boxes=2)
     assert len(episodes) == 6
-    for episode in episodes:
-        trace = only_trace(episode)
-        optimal = episode.task.data.optimal_moves
-        assert trace.reward == 1.0
-        assert (trace.rewards["solved"].score, trace.rewards["boxes_on_goals"].score) == (1.0, 0.0)
-        assert len(trace.assistant_messages) == optimal
-        assert trace.metrics == {
-            "moves": optimal,
-            "invalid_moves": 0.0,
-            "blocked_moves": 0.0,
-            "optimal_moves": optimal,
-        }
-        assert trace.stop_condition == "user_closed"  # the env ended the game
-    assert len(requests) == sum(e.task.data.optimal_moves for e in episodes)
-    assert requests[0]["messages"][:2] == [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": episodes[0].task.data.prompt},
-    ]
+    players.assert_solved_optimally(episodes, requests, SYSTEM_PROMPT, "boxes_on_goals")
 
 
 def test_walls_unreadable_replies_blocked_pushes_and_the_move_limit(monkeypatch):
