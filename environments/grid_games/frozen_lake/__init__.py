@@ -2,9 +2,10 @@
 
 Lakes are generated from `seed`: a safe path from the start to the goal is carved first, then holes are placed
 off it, so every lake is solvable; the breadth-first solver (`game.solve`) measures each lake's optimal move
-count. Not slippery. `FrozenLakeEnv.run` is the game engine: the task's prompt shows the lake, and after each
-reply the env answers as the player's user with the new lake, until the player reaches the goal, falls into a
-hole, made `max_turns` replies, or made `max_invalid` replies naming no move.
+count. Not slippery. `FrozenLakeEnv` (a `grid_games.GridEnv`) runs the game: the task's prompt shows the lake, and
+after each reply the env answers as the player's user with the new lake, until the player reaches the goal, falls
+into a hole, made `max_turns` replies, or made `max_invalid` replies naming no move. The move parsing, the turn
+loop and the env's run are shared with `sokoban` (module `grid_games`).
 
 Rewards are scored by replaying the trace's replies on the lake (`Game.replay`, the same engine): `solved`
 (weight 1.0) and `progress` (weight 0.5: the share of the start's distance to the goal closed by the end of a game
@@ -17,10 +18,8 @@ needs a resumable chat harness (prime-rl gives it `prime-chat`; with `vf-eval`, 
 
 from __future__ import annotations
 
-import random
-
 import verifiers.v1 as vf
-from grid_games import GridConfig, GridData, GridEnv, game_metrics, trace_replies
+from grid_games import GridConfig, GridData, GridEnv, board_rng, game_metrics, trace_replies
 from pydantic import Field, model_validator
 
 from frozen_lake.game import Game, Generated, Lake, distances, generate
@@ -89,13 +88,8 @@ class FrozenLakeConfig(GridConfig):
         return self
 
 
-def level_rng(seed: int, index: int) -> random.Random:
-    """Lake `index`'s own generator (string seeds are hashed stably), so a lake does not depend on the others."""
-    return random.Random(f"frozen-lake/{seed}/{index}")
-
-
 def generate_lake(config: FrozenLakeConfig, index: int) -> Generated:
-    return generate(level_rng(config.seed, index), config.size, config.hole_fraction, config.max_turns)
+    return generate(board_rng("frozen-lake", config.seed, index), config.size, config.hole_fraction, config.max_turns)
 
 
 def new_task(

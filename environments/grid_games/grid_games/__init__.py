@@ -9,6 +9,7 @@ starts (`new_game`).
 
 from __future__ import annotations
 
+import random
 from typing import Self
 
 import verifiers.v1 as vf
@@ -53,6 +54,11 @@ class GridConfig(vf.TasksetConfig):
     """The game ends at this many replies that name no move."""
 
 
+def board_rng(game: str, seed: int, index: int) -> random.Random:
+    """Board `index`'s own generator (string seeds are hashed stably), so a board does not depend on the others."""
+    return random.Random(f"{game}/{seed}/{index}")
+
+
 def trace_replies(trace: vf.Trace) -> list[str | None]:
     """The player's replies in a trace, in order: what a game replays to score it."""
     return [message.content for message in trace.assistant_messages]
@@ -93,4 +99,4 @@ class GridEnv(vf.Env[GridEnvConfig]):
                 segment = await player.turn(answer)
 
 
-__all__ = ["GridConfig", "GridData", "GridEnv", "GridEnvConfig", "game_metrics", "trace_replies"]
+__all__ = ["GridConfig", "GridData", "GridEnv", "GridEnvConfig", "board_rng", "game_metrics", "trace_replies"]

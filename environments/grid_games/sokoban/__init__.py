@@ -1,9 +1,10 @@
 """sokoban: push every box onto a goal, one move per chat turn (a verifiers v1 taskset and its `Env`).
 
 Levels are generated from `seed`, by reverse play from the solved position, so every level is solvable; the
-breadth-first solver (`game.solve`) measures each level's optimal move count. `SokobanEnv.run` is the game
-engine: the task's prompt shows the board, and after each reply the env answers as the player's user with the
-new board, until the level is solved, `max_turns` replies were made, or `max_invalid` replies named no move.
+breadth-first solver (`game.solve`) measures each level's optimal move count. `SokobanEnv` (a `grid_games.GridEnv`)
+runs the game: the task's prompt shows the board, and after each reply the env answers as the player's user with
+the new board, until the level is solved, `max_turns` replies were made, or `max_invalid` replies named no move.
+The move parsing, the turn loop and the env's run are shared with `frozen_lake` (module `grid_games`).
 
 Rewards are scored by replaying the trace's replies on the level (`Game.replay`, the same engine):
 `solved` (weight 1.0) and `boxes_on_goals` (weight 0.5: the fraction of boxes on goals at the end, counted only
@@ -15,10 +16,8 @@ resumable chat harness (prime-rl gives it `prime-chat`; with `vf-eval`, pass `--
 
 from __future__ import annotations
 
-import random
-
 import verifiers.v1 as vf
-from grid_games import GridConfig, GridData, GridEnv, game_metrics, trace_replies
+from grid_games import GridConfig, GridData, GridEnv, board_rng, game_metrics, trace_replies
 from pydantic import Field, model_validator
 
 from sokoban.game import Game, Generated, Level, generate
@@ -79,13 +78,8 @@ class SokobanConfig(GridConfig):
         return self
 
 
-def level_rng(seed: int, index: int) -> random.Random:
-    """Level `index`'s own generator (string seeds are hashed stably), so a level does not depend on the others."""
-    return random.Random(f"sokoban/{seed}/{index}")
-
-
 def generate_level(config: SokobanConfig, index: int) -> Generated:
-    return generate(level_rng(config.seed, index), config.size, config.boxes, config.max_turns)
+    return generate(board_rng("sokoban", config.seed, index), config.size, config.boxes, config.max_turns)
 
 
 def new_task(
