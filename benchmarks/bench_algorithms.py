@@ -8,8 +8,9 @@ batch, task seed 0, trainer seed, learning rate) and one or two keys changed; ea
 output dir, one after the other. Then one `eval` (a single vLLM server, `/update_weights` between policies) scores
 the SFT policy and every variant's last policy on the demo's 200 held-out tasks (taskset seed 1, 2 rollouts each).
 Prints per variant: the keys it sets, held-out reward (mean ± std over rollouts), training reward (orchestrator's
-`reward/mean`, mean of the last three steps), the `rl` wall time and that time without vLLM's start. `--reuse` keeps
-the variants already run into `--out` (their times are saved beside them) and runs only the others, then evaluates all.
+`reward/mean`, mean of the last three steps), the trainer's mean step time (forward, backward and optimizer, after
+step 1), the `rl` wall time and that time without vLLM's start. `--reuse` keeps the variants already run into `--out`
+(their times are saved beside them) and runs only the others, and keeps an earlier evaluation of the same policies.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ COLUMNS = [
     Column("flags", "flags", "s"),
     Column("held-out reward", "heldout", "s"),
     Column("train reward last 3", "train_last", ".3f"),
+    Column("trainer s/step", "step_s", ".2f"),
     Column("rl wall s", "wall", ".0f"),
     Column("without vLLM start s", "rest", ".0f"),
 ]
@@ -71,6 +73,22 @@ def evaluate(eval_config: Path, out: Path, policies: dict[str, Path], port: int)
         sys.exit(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     return {p["label"]: next(iter(p["envs"].values())) for p in summary["policies"]}
+
+
+def previous_scores(summary: Path, policies: dict[str, Path]) -> dict[str, dict] | None:
+    """The scores of an earlier `eval` in `--out` if it evaluated exactly these policies (else None: evaluate)."""
+    previous = {p["label"]: p for p in json.loads(summary.read_text())["policies"]}
+    if set(policies) - set(previous):
+        return None
+    print(f"reusing the evaluation in {summary.parent}", flush=True)
+    return {label: next(iter(previous[label]["envs"].values())) for label in policies}
+
+
+def trainer_seconds_per_step(run_dir: Path) -> float:
+    """Mean `time_train` after the first step (which also pays for warming up): the algorithm's compute."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [m["time_train"] for m in map(json.loads, lines) if m["process"] == "trainer" and m["step"] > 1]
+    return sum(steps) / len(steps)
 
 
 def main() -> None:
@@ -99,8 +117,11 @@ def main() -> None:
         times[name] = launch(args.config, out, None, [*VARIANTS[name], "--inference.server.port", str(args.port)])
         (out / "bench-times.json").write_text(json.dumps(times[name]))
         print(f"{name}: {times[name]['wall']:.0f} s", flush=True)
-    policies = {name: args.out / name / "broadcasts" for name in names}
-    scores = evaluate(args.eval_config, args.out / "eval", {"sft": args.sft} | policies, args.port)
+    policies = {"sft": args.sft} | {name: args.out / name / "broadcasts" for name in names}
+    summary = args.out / "eval" / "summary.json"
+    scores = previous_scores(summary, policies) if args.reuse and summary.exists() else None
+    if scores is None:
+        scores = evaluate(args.eval_config, args.out / "eval", policies, args.port)
 
     rows = []
     for name in ["sft", *names]:
@@ -108,7 +129,11 @@ def main() -> None:
         row = {"variant": name, "flags": " ".join(VARIANTS.get(name, ["(the RL start)"])) or "(demo defaults)"}
         row["heldout"] = f"{score['reward_mean']:.3f} ± {score['reward_std']:.3f}"
         if name in times:
-            row |= times[name] | {"train_last": train_reward_last3(args.out / name)}
+            run_dir = args.out / name
+            row |= times[name] | {
+                "train_last": train_reward_last3(run_dir),
+                "step_s": trainer_seconds_per_step(run_dir),
+            }
         rows.append(row)
     print("\n".join(format_bench_table(rows, COLUMNS).splitlines()[:-1]))  # no per-step summary line
 
