@@ -10,11 +10,7 @@ picks the taskset's generator seed; evaluate on a different seed to hold the dra
 `--detour-fraction F` makes the demonstrations imperfect, like real ones: a seeded fraction F of the answers takes
 a detour, moving the tower to the spare peg first and from there to the target. That is a legal solution of
 twice the optimal length (reward 0.5); a model fine-tuned on them detours about as often, and the reward then
-shows RL what imitation cannot.
-
-`--wrong-peg-fraction F` does the same with answers that move the tower optimally to the spare peg instead of the
-target: legal and of the optimal length, but no progress (reward 0). They differ from the right answer in the
-choice of the first move only, which keeps RL's signal on that choice (the tower-of-hanoi demo uses this).
+shows RL what imitation cannot (the tower-of-hanoi demo uses this).
 """
 
 import argparse
@@ -30,7 +26,7 @@ def detour(n: int, start: str, target: str, spare: str) -> str:
     return format_moves(solve(n, start, spare, target) + solve(n, spare, target, start))
 
 
-def sft_rows(config: HanoiConfig, detour_fraction: float = 0.0, wrong_peg_fraction: float = 0.0) -> list[dict]:
+def sft_rows(config: HanoiConfig, detour_fraction: float = 0.0) -> list[dict]:
     rng = random.Random(f"detour-{config.seed}")
     rows = []
     for task in HanoiTaskset(config).load():
@@ -38,13 +34,7 @@ def sft_rows(config: HanoiConfig, detour_fraction: float = 0.0, wrong_peg_fracti
         prompt = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
         prompt.append({"role": "user", "content": data.prompt})
         (spare,) = set(data.pegs) - {data.start, data.target}
-        draw = rng.random()
-        if draw < detour_fraction:
-            answer = detour(data.n, data.start, data.target, spare)
-        elif draw < detour_fraction + wrong_peg_fraction:
-            answer = format_moves(solve(data.n, data.start, spare, data.target))
-        else:
-            answer = data.answer
+        answer = detour(data.n, data.start, data.target, spare) if rng.random() < detour_fraction else data.answer
         rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]})
     return rows
 
@@ -57,18 +47,17 @@ def main() -> None:
     parser.add_argument("--min-disks", type=int, default=1)
     parser.add_argument("--max-disks", type=int, default=3)
     parser.add_argument("--detour-fraction", type=float, default=0.0, help="answers that detour via the spare peg")
-    parser.add_argument("--wrong-peg-fraction", type=float, default=0.0, help="answers that solve to the spare peg")
     args = parser.parse_args()
     config = HanoiConfig(num_tasks=args.num, seed=args.seed, min_disks=args.min_disks, max_disks=args.max_disks)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_name(args.output.name + ".tmp")
     with open(tmp, "w") as f:
-        for row in sft_rows(config, args.detour_fraction, args.wrong_peg_fraction):
+        for row in sft_rows(config, args.detour_fraction):
             f.write(json.dumps(row) + "\n")
     tmp.replace(args.output)
     print(
         f"wrote {args.num} tower-of-hanoi conversations (seed {args.seed}, {args.min_disks}-{args.max_disks} disks, "
-        f"detour {args.detour_fraction:.0%}, wrong peg {args.wrong_peg_fraction:.0%}) to {args.output}"
+        f"detour {args.detour_fraction:.0%}) to {args.output}"
     )
 
 

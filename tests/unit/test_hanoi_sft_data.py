@@ -40,13 +40,3 @@ def test_rows_are_the_taskset_conversations_with_a_seeded_share_of_detours():
 def _task(row):
     words = row["prompt"][1]["content"].rstrip(".").split()
     return int(words[1]), words[-4], words[-1], "ABC"
-
-
-def test_wrong_peg_answers_have_the_optimal_length_and_no_progress():
-    config = HanoiConfig(num_tasks=400, seed=0, min_disks=1, max_disks=3)
-    rows = sft_data.sft_rows(config, wrong_peg_fraction=0.4)
-    rewards = [score(row["completion"][0]["content"], *_task(row)) for row in rows]
-    assert set(rewards) == {1.0, 0.0}
-    assert 120 <= rewards.count(0.0) <= 200  # the same 4-sigma band as above
-    for row in rows:
-        assert len(row["completion"][0]["content"].split()) == 2 ** _task(row)[0] - 1
