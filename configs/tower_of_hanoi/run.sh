@@ -12,8 +12,8 @@ step() { echo "+ $*" >&2; uv run --no-sync "$@"; }
 
 rm -rf outputs/tower-of-hanoi
 step tiny-model @ configs/tower_of_hanoi/model.toml
-# 1-3 disks, random start and target pegs. 40% of the demonstrations detour via the spare peg (legal, twice the
-# optimal length, reward 0.5): SFT imitates them, RL learns the optimal solutions.
+# 1-3 disks, random start and target pegs (18 kinds of puzzle). 40% of the demonstrations detour via the spare
+# peg (legal, twice the optimal length, reward 0.5): SFT imitates them; RL prefers the optimal solutions.
 step python scripts/tower_of_hanoi_sft_data.py --output outputs/tower-of-hanoi/sft-data.jsonl --num 8000 \
     --min-disks 1 --max-disks 3 --detour-fraction 0.4
 step sft @ configs/tower_of_hanoi/sft.toml
