@@ -210,10 +210,12 @@ def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_pat
     assert health.status_code == 503 and health.json()["status"] == "weights_unknown"
     assert health.json()["error"]["code"] == 503 and "restoring good" in health.json()["error"]["message"]
     assert client.post("/v1/completions").status_code == 503 and engine.paused
+    # The engine's label says so too: a token generated now would not be credited to the good weights.
+    assert engine.calls[-2:] == [("prime_load_weights", str(good)), ("version", "weights_unknown")]
     # A failure while unknown restores nothing (there are no good weights to go back to).
     calls = len(engine.calls)
     assert client.post("/update_weights", json={"weight_dir": str(bad)}).status_code == 503
-    assert engine.calls[calls:] == [("prime_load_weights", str(bad))]
+    assert engine.calls[calls:] == [("prime_load_weights", str(bad)), ("version", "weights_unknown")]
 
     # A successful load heals: new weights, their label, generation resumed.
     r = client.post("/reload_weights")

@@ -42,7 +42,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_VERSION_CHARS = 256
 """A version label is echoed in every generate reply, so it is bounded."""
 WEIGHTS_UNKNOWN = "weights_unknown"
-"""`/health` status while a failed load could not be undone (see `WeightSwapper`)."""
+"""`/health` status, and the engine's weight-version label, while a failed load could not be undone (`WeightSwapper`)."""
 GATED_PREFIXES = ("/v1/", "/inference/")
 
 
@@ -210,6 +210,9 @@ class WeightSwapper:
             except Exception as e:
                 logger.exception(f"restoring {self.current_dir} failed too: the served weights are unknown")
                 self.unknown = f"restoring {self.version} from {self.current_dir} failed ({clip(e)})"
+        # The engine stays paused, so no token should carry this label; if one ever did, the orchestrator would read
+        # its version as unknown rather than credit it to the last good weights.
+        await self.engine.update_weight_version(WEIGHTS_UNKNOWN)
         raise WeightsUnknownError(f"loading failed ({clip(load_error)}); {clip(self.unknown, 1000)}") from load_error
 
 
