@@ -391,6 +391,11 @@ class RLConfig(EntrypointConfig):
                 f"{name} asks for model {orch.model.api_name!r}, inference serves {inf.model.api_name!r}; "
                 "set the shared `model.name`"
             )
+        if trainer.critic is not None and orch.filter_zero_advantage:
+            raise ValueError(
+                f"trainer.critic with {name}.filter_zero_advantage: the critic's GAE advantages are not the group's, "
+                "so a group whose rewards do not vary still trains the policy and the value model; drop neither"
+            )
         if trainer.weight_broadcast != orch.weight_broadcast:
             raise ValueError(
                 f"trainer.weight_broadcast and {name}.weight_broadcast disagree; use the shared `weight_broadcast`"

@@ -9,7 +9,9 @@ from torch import nn
 from transformers import AutoModel
 
 from prime_rl.batch import TrainingSample, read_batch
+from prime_rl.config.loader import load_config
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+from prime_rl.rl import RLConfig
 from prime_rl.trainer.config import CriticConfig, TrainerConfig
 from prime_rl.trainer.critic import (
     ValueModel,
@@ -157,6 +159,19 @@ def test_config_enables_with_defaults_and_refuses_what_it_does_not_support(tmp_p
         CriticConfig(value_clip=0)
     with pytest.raises(ValidationError, match="epochs"):
         CriticConfig(epochs=0)
+
+
+def test_rl_refuses_a_critic_with_filtered_zero_advantage_groups(tmp_path, capsys):
+    """The orchestrator would drop constant-reward groups, which the critic's advantages (r - V) still learn from."""
+    path = tmp_path / "rl.toml"
+    path.write_text(f'output_dir = "{tmp_path}"\n[trainer.critic]\n[orchestrator]\nfilter_zero_advantage = true\n')
+    with pytest.raises(SystemExit) as exit_:
+        load_config(RLConfig, "rl", ["@", str(path)])
+    assert exit_.value.code == 2
+    assert "trainer.critic with orchestrator.filter_zero_advantage" in capsys.readouterr().err
+    assert load_config(RLConfig, "rl", ["@", str(path), "--orchestrator.filter-zero-advantage", "false"])[
+        0
+    ].trainer.critic
 
 
 # ---------------------------------------------------------------------------------------------------------
