@@ -12,11 +12,12 @@ shows RL what imitation cannot (the reverse-text demo uses this).
 """
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 from reverse_text import ReverseTextConfig, ReverseTextTaskset
+
+from prime_rl.trainer.sft_data import chat_example, write_examples
 
 
 def sft_rows(config: ReverseTextConfig, wrong_fraction: float = 0.0) -> list[dict]:
@@ -24,10 +25,8 @@ def sft_rows(config: ReverseTextConfig, wrong_fraction: float = 0.0) -> list[dic
     rows = []
     for task in ReverseTextTaskset(config).load():
         data = task.data
-        prompt = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-        prompt.append({"role": "user", "content": data.prompt})
         answer = data.text if rng.random() < wrong_fraction else data.answer
-        rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]})
+        rows.append(chat_example(data.system_prompt, data.prompt, answer))
     return rows
 
 
@@ -45,12 +44,7 @@ def main() -> None:
     config = ReverseTextConfig(
         num_tasks=args.num, seed=args.seed, **{k: v for k, v in overrides.items() if v is not None}
     )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_name(args.output.name + ".tmp")
-    with open(tmp, "w") as f:
-        for row in sft_rows(config, args.wrong_fraction):
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(args.output)
+    write_examples(args.output, sft_rows(config, args.wrong_fraction))
     print(
         f"wrote {args.num} reverse-text conversations (seed {args.seed}, wrong {args.wrong_fraction:.0%}) to {args.output}"
     )

@@ -14,11 +14,12 @@ shows RL what imitation cannot (the tower-of-hanoi demo uses this).
 """
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 from tower_of_hanoi import HanoiConfig, HanoiTaskset, format_moves, solve
+
+from prime_rl.trainer.sft_data import chat_example, write_examples
 
 
 def detour(n: int, start: str, target: str, spare: str) -> str:
@@ -31,11 +32,9 @@ def sft_rows(config: HanoiConfig, detour_fraction: float = 0.0) -> list[dict]:
     rows = []
     for task in HanoiTaskset(config).load():
         data = task.data
-        prompt = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-        prompt.append({"role": "user", "content": data.prompt})
         (spare,) = set(data.pegs) - {data.start, data.target}
         answer = detour(data.n, data.start, data.target, spare) if rng.random() < detour_fraction else data.answer
-        rows.append({"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]})
+        rows.append(chat_example(data.system_prompt, data.prompt, answer))
     return rows
 
 
@@ -49,12 +48,7 @@ def main() -> None:
     parser.add_argument("--detour-fraction", type=float, default=0.0, help="answers that detour via the spare peg")
     args = parser.parse_args()
     config = HanoiConfig(num_tasks=args.num, seed=args.seed, min_disks=args.min_disks, max_disks=args.max_disks)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_name(args.output.name + ".tmp")
-    with open(tmp, "w") as f:
-        for row in sft_rows(config, args.detour_fraction):
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(args.output)
+    write_examples(args.output, sft_rows(config, args.detour_fraction))
     print(
         f"wrote {args.num} tower-of-hanoi conversations (seed {args.seed}, {args.min_disks}-{args.max_disks} disks, "
         f"detour {args.detour_fraction:.0%}) to {args.output}"

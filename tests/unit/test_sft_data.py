@@ -15,10 +15,12 @@ from prime_rl.trainer.sft_data import (
     ChatStream,
     DataError,
     DataState,
+    chat_example,
     epoch_order,
     fake_samples,
     load_examples,
     tokenize_example,
+    write_examples,
 )
 
 
@@ -188,6 +190,20 @@ def test_jsonl_and_parquet_give_the_same_samples(tokenizers, tmp_path):
         assert any(sample[1])
     [(ids, _)] = tokenize_example(tok, from_parquet[1], LossMaskConfig(), "tools")
     assert '"name": "calc"' in tok.decode(ids)  # tools and tool calls survived the round trip
+
+
+def test_written_examples_read_back_and_train_only_the_answer(tokenizers, tmp_path):
+    rows = [chat_example("Reverse the text.", "Reverse: ab", "ba"), chat_example(None, "Reverse: xyz", "zyx")]
+    write_examples(tmp_path / "sft.jsonl", rows)
+    assert [p.name for p in tmp_path.iterdir()] == ["sft.jsonl"]  # no temp file left beside it
+    examples = load_examples(ChatDataConfig(name=str(tmp_path / "sft.jsonl")))
+    assert list(examples) == rows
+    assert [m["role"] for m in examples[0]["prompt"]] == ["system", "user"]
+    assert [m["role"] for m in examples[1]["prompt"]] == ["user"]  # no empty system message
+    tok = tokenizers["qwen3"]
+    [(ids, mask)] = tokenize_example(tok, examples[0], LossMaskConfig(), "example 0")
+    # Qwen3's template opens the answer with an empty think block; the prompt is never trained.
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "<think>\n\n</think>\n\nba<|im_end|>"
 
 
 def test_missing_files_and_hub_names_fail_clearly(tmp_path):

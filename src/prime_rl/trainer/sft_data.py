@@ -25,6 +25,7 @@ from loguru import logger
 
 from prime_rl.batch import TrainingSample
 from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
+from prime_rl.utils.fs import write_atomic
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -97,6 +98,19 @@ def _drop_nones(value):
     if isinstance(value, list):
         return [_drop_nones(v) for v in value]
     return value
+
+
+def chat_example(system_prompt: str | None, user: str, answer: str) -> dict:
+    """One single-turn row in the form `load_examples` reads: how the SFT-data scripts turn a task into a
+    demonstration with the same system prompt and user message that RL and eval later send."""
+    prompt = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    prompt.append({"role": "user", "content": user})
+    return {"prompt": prompt, "completion": [{"role": "assistant", "content": answer}]}
+
+
+def write_examples(path: Path, rows: Sequence[dict]) -> None:
+    """JSONL rows, written atomically: an interrupted script leaves no half file for SFT to read."""
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
 
 
 # ---------------------------------------------------------------------------------------------
