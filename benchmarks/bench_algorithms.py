@@ -26,6 +26,7 @@ import tomli_w
 from bench_multi_run import launch
 
 from prime_rl.utils.bench import Column, format_bench_table
+from prime_rl.utils.metrics import load_metrics, series
 
 EVAL = str(Path(sys.executable).parent / "eval")
 
@@ -56,10 +57,8 @@ COLUMNS = [
 
 
 def train_reward_last3(run_dir: Path) -> float:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if m["process"] == "orchestrator"]
-    values = [m["reward/mean"] for m in sorted(steps, key=lambda m: m["step"])][-3:]
-    return sum(values) / len(values)
+    _, rewards = series(load_metrics(run_dir / "metrics.jsonl"), "orchestrator", "reward/mean")
+    return sum(rewards[-3:]) / len(rewards[-3:])
 
 
 def evaluate(eval_config: Path, out: Path, policies: dict[str, Path], port: int) -> dict[str, dict]:
@@ -86,9 +85,9 @@ def previous_scores(summary: Path, policies: dict[str, Path]) -> dict[str, dict]
 
 def trainer_seconds_per_step(run_dir: Path) -> float:
     """Mean `time_train` after the first step (which also pays for warming up): the algorithm's compute."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    steps = [m["time_train"] for m in map(json.loads, lines) if m["process"] == "trainer" and m["step"] > 1]
-    return sum(steps) / len(steps)
+    steps, times = series(load_metrics(run_dir / "metrics.jsonl"), "trainer", "time_train")
+    after_first = [t for step, t in zip(steps, times, strict=True) if step > 1]
+    return sum(after_first) / len(after_first)
 
 
 def main() -> None:

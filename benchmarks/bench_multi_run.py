@@ -24,6 +24,7 @@ from pathlib import Path
 from prime_rl.config.loader import load_config
 from prime_rl.rl import RLConfig
 from prime_rl.utils.bench import Column, format_bench_table
+from prime_rl.utils.metrics import load_metrics, series
 
 RL = str(Path(sys.executable).parent / "rl")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \|")
@@ -48,9 +49,8 @@ def logged_at(log: Path, needle: str) -> datetime | None:
 
 
 def rewards(run_dir: Path) -> tuple[float, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    steps = [m for m in map(json.loads, lines) if m["process"] == "orchestrator"]
-    values = [m["reward/mean"] for m in sorted(steps, key=lambda m: m["step"])]
+    """Mean train reward of the first three and of the last three steps."""
+    _, values = series(load_metrics(run_dir / "metrics.jsonl"), "orchestrator", "reward/mean")
     return sum(values[:3]) / len(values[:3]), sum(values[-3:]) / len(values[-3:])
 
 

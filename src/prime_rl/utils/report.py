@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,7 @@ import numpy as np
 matplotlib.use("Agg")  # files only, never a window
 from matplotlib.figure import Figure  # noqa: E402
 
-Metrics = dict[str, dict[int, dict]]
-"""process -> step -> that step's metrics."""
+from prime_rl.utils.metrics import Metrics, load_metrics, series  # noqa: E402
 
 
 @dataclass
@@ -73,27 +71,6 @@ STEP_TIME = {
     ]),
     "sft": (None, [("time_data", "loading data")], [("time_train", "training"), ("time_save", "saving")]),
 }  # fmt: skip
-
-
-def load_metrics(path: Path) -> Metrics:
-    data: Metrics = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            process, step = row.pop("process"), int(row.pop("step"))
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{path}:{n}: not a metrics line ({e})") from None
-        data.setdefault(process, {}).setdefault(step, {}).update(row)  # one step may span several lines
-    return data
-
-
-def series(data: Metrics, process: str, key: str) -> tuple[list[int], list[float]]:
-    steps = sorted(data.get(process, {}))
-    points = [(s, data[process][s].get(key)) for s in steps]
-    points = [(s, float(v)) for s, v in points if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [s for s, _ in points], [v for _, v in points]
 
 
 def new_figure(title: str, ylabel: str) -> tuple[Figure, object]:
