@@ -42,6 +42,8 @@ VARIANTS: dict[str, list[str]] = {
     # The critic gets the policy's learning rate (its default, 1e-5, suits pretrained models, not 30 steps of this one).
     "ppo-critic": ["--trainer.critic.optim.lr", "1e-3", "--trainer.loss.objective", "grpo"],
     "grpo-ref-kl": ["--trainer.reference.beta", "0.05"],
+    # Rewards are LCS ratios, so a group rarely scores exactly the same: "not varying" means a std of at most 0.05.
+    "grpo-temp-scaling": ["--orchestrator.sampling.temperature-scaling.std-threshold", "0.05"],
 }
 """Name -> the `rl` flags that make the variant (on top of configs/reverse_text/rl.toml)."""
 
