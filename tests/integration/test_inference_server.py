@@ -201,6 +201,8 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
     (root / "empty").mkdir(exist_ok=True)
     (root / "corrupt").mkdir(exist_ok=True)
     (root / "corrupt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    # A loadable directory whose name, the default version, is the label of weights a failed load left unknown.
+    reserved = shutil.copytree(server.step_1, root / "weights_unknown", dirs_exist_ok=True)
     cases = [
         ({"weight_dir": str(root / "missing")}, 404),
         ({"weight_dir": "/etc"}, 403),
@@ -212,11 +214,15 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
         ({"weight_dir": str(root / "corrupt")}, 422),
         ({"weight_dir": 5}, 422),
         ({"dir": str(server.step_1)}, 422),
+        ({"weight_dir": str(server.step_1), "version": "weights_unknown"}, 422),
+        ({"weight_dir": str(reserved)}, 422),
     ]
     for body, status in cases:
         r = admin(server, "update_weights", body)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["message"]
+        if "weights_unknown" in json.dumps(body):
+            assert "reserved" in r.json()["error"]["message"], r.text
     assert admin(server, "update_weights", content=b"{not json").status_code == 400
     assert admin(server, "reload_weights", content=b"[1, 2").status_code == 400
     no_key = admin(server, "update_weights", {"weight_dir": str(server.step_1)}, headers={})

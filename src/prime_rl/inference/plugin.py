@@ -30,7 +30,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from loguru import logger
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prime_rl.inference.adapters import ADAPTER_NAME_PATTERN, AdapterError, Adapters
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
@@ -43,6 +43,7 @@ MAX_VERSION_CHARS = 256
 """A version label is echoed in every generate reply, so it is bounded."""
 WEIGHTS_UNKNOWN = "weights_unknown"
 """`/health` status, and the engine's weight-version label, while a failed load could not be undone (`WeightSwapper`)."""
+RESERVED_VERSION = f"version {WEIGHTS_UNKNOWN!r} is reserved for weights a failed load left unknown"
 GATED_PREFIXES = ("/v1/", "/inference/")
 
 
@@ -79,6 +80,13 @@ class UpdateWeightsRequest(BaseModel):
     version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
     """Policy version reported per token by /inference/v1/generate; default: the directory's name, or `step_<n>` for
     a broadcast of step n."""
+
+    @field_validator("version")
+    @classmethod
+    def _not_reserved(cls, version: str | None) -> str | None:
+        if version == WEIGHTS_UNKNOWN:
+            raise ValueError(RESERVED_VERSION)
+        return version
 
     @model_validator(mode="after")
     def _one_source(self) -> UpdateWeightsRequest:
@@ -338,7 +346,10 @@ async def update_weights(request: Request) -> JSONResponse:
         path = await asyncio.to_thread(check_weight_dir, req.weight_dir, swapper.roots, swapper.expected)
     except WeightDirError as e:
         return _error(e.status, e.message)
-    return await _swap(swapper, path, req.version or path.name)
+    version = req.version or path.name
+    if version == WEIGHTS_UNKNOWN:
+        return _error(422, f'{RESERVED_VERSION}: give this directory another "version"')
+    return await _swap(swapper, path, version)
 
 
 @router.post("/reload_weights")
