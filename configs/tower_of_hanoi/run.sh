@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tower-of-hanoi demo, end to end on a CPU (17.5 min on 2 cores shared with other jobs at load ~5): build a
+# The tower-of-hanoi demo, end to end on a CPU (8 min on 2 idle cores, plus `uv sync` on the first run): build a
 # tiny random-init model -> SFT warm-up on the solver's solutions (40% of them detours) -> RL with vLLM, the
 # orchestrator and the torchrun FSDP2 trainer -> held-out eval of all three. Ends with one line:
 # `tower-of-hanoi reward: base X, sft Y, rl Z`. Everything lands in outputs/tower-of-hanoi/.
