@@ -36,6 +36,17 @@ def start_rl(config: Path, *args: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen([RL, "@", str(config), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
+def wait_rl(proc: subprocess.Popen, timeout: float) -> int | None:
+    """rl's exit code; None once an rl still running after `timeout` is killed (a hung run must not outlive its
+    test: it would load the machine and the shared server for the tests after it)."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its processes die with it
+        proc.wait(30)
+        return None
+
+
 def process_metrics(out: Path, process: str, skip_lines: int = 0) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()[skip_lines:]
     return [m for m in map(json.loads, lines) if m["process"] == process]
@@ -79,7 +90,7 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"]  # no network
     wandb.append("--tensorboard")
     proc = start_rl(config, *wandb, log=out.parent / f"k{k}.log")
-    assert proc.wait(600) == 0, (out.parent / f"k{k}.log").read_text()[-4000:]
+    assert wait_rl(proc, 600) == 0, (out.parent / f"k{k}.log").read_text()[-4000:]
     console = (out.parent / f"k{k}.log").read_text()
     assert f"[trainer] step {steps} |" in console and f"[orchestrator] step {steps} |" in console
     trained = trainer_metrics(out)
@@ -161,7 +172,8 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     proc = start_rl(config, log=log)
     try:
         started_pid(log, "trainer")
-        while not batch_path(out, 2).exists():  # mid-run: a couple of steps in
+        # Mid-run: a couple of steps in. (Not "batch 2 exists": the trainer may consume it within a poll's interval.)
+        while "[orchestrator] step 2 |" not in log.read_text(errors="replace"):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         tree = run_pids(psutil.Process(proc.pid))
@@ -223,7 +235,7 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
 
     log2 = tmp_path / "run2.log"
     proc = start_rl(config, "--ckpt.resume-step", "-1", log=log2)
-    assert proc.wait(600) == 0, log2.read_text()[-4000:]
+    assert wait_rl(proc, 600) == 0, log2.read_text()[-4000:]
     console = log2.read_text()
     assert "resuming trainer and orchestrator from step 4" in console
     assert "[trainer] step 1 |" not in console  # the killed run's step lines are not shown again

@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from prime_rl.config import WeightBroadcastConfig
+from prime_rl.config import CheckpointConfig, WeightBroadcastConfig
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.broadcast import BroadcastClient
+from prime_rl.trainer import train
 from prime_rl.trainer.broadcast import WeightSender, header
 from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.train import wait_until
+from prime_rl.trainer.weights import STABLE, save_hf_dir
 from prime_rl.utils.net import free_port
 from prime_rl.weight_broadcast import ORCHESTRATOR_DONE, Header, connect_store, layer_groups, served_key
 
@@ -235,3 +237,34 @@ def test_a_store_that_resets_connections_fails_the_client_in_seconds_not_the_tra
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     assert connect_store("127.0.0.1", master.port, timeout=120).timeout == timedelta(seconds=120)
+
+
+def test_a_checkpoint_step_is_offered_by_broadcast_before_its_directory_is_stable(tmp_path, monkeypatch):
+    """At a checkpoint step the trainer writes `broadcasts/step_n` and offers step n by broadcast, then waits until
+    it is taken. An orchestrator that found the directory's STABLE while the store still named the older step loaded
+    it from disk and never asked for the broadcast, and the two waited for each other (found in CI). So when STABLE
+    appears, the store names the step already (the orchestrator then takes it by broadcast)."""
+    world = init_distributed()
+    config = WeightBroadcastConfig(type="gloo", port=free_port(), timeout=TIMEOUT)
+    sender = WeightSender(config, world)
+    client = BroadcastClient(config, ack_timeout=TIMEOUT)
+    seen = []
+
+    def save_then_look(*args, **kwargs) -> Path:
+        target = save_hf_dir(*args, **kwargs)
+        seen.append(((target / STABLE).exists(), client.published()))
+        sender.store.set(ORCHESTRATOR_DONE, "1")  # the orchestrator wants nothing more: `publish` stops waiting
+        return target
+
+    monkeypatch.setattr(train, "save_hf_dir", save_then_look)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(TinyModelConfig(output=tmp_path / "model")))
+    run = SimpleNamespace(
+        model=model, export_dtype=torch.bfloat16, ckpt=SimpleNamespace(config=CheckpointConfig(interval=2))
+    )
+    trainer_config = SimpleNamespace(output_dir=tmp_path / "out", batch_timeout=TIMEOUT)
+    try:
+        train.publish(run, None, 2, 10, trainer_config, world, sender)
+    finally:
+        sender.close()
+        dist.destroy_process_group()
+    assert seen == [(True, 2)]

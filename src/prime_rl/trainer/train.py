@@ -311,8 +311,13 @@ def publish(
     Filesystem: rank 0 writes `broadcasts/step_n` (marked `STABLE` once complete). In-memory broadcast: announce
     the step and wait until the orchestrator has taken it (sending it whenever asked); the directory is still
     written for a checkpoint step (a resumed orchestrator serves it first) and the last step (the run's result).
+    The announcement comes before the directory: an orchestrator that found `STABLE` first would load the policy
+    from disk and never ask for it, while this waited for it to be taken.
     """
     start = time.perf_counter()
+    announce = sender is not None and step != max_steps  # the orchestrator never asks for the last policy
+    if announce:
+        sender.publish(step)
     due = run.ckpt is not None and run.ckpt.config.due(step, max_steps)
     if sender is None or due or step == max_steps:
         state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
@@ -322,8 +327,7 @@ def publish(
         del state
         dist.barrier()
     written = time.perf_counter() - start
-    if sender is not None and step != max_steps:  # the orchestrator never asks for the last policy
-        sender.publish(step)
+    if announce:
         what = f"the orchestrator to take policy step {step}"
         wait_until(world, partial(sender.taken_or_unwanted, step), what, config.batch_timeout, sender, run)
     sent = sender.pop_seconds() if sender is not None else 0.0
