@@ -11,12 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from loguru import logger
 
 from prime_rl.batch import batch_path
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.train import wait_until as wait_on_rank0
 
 RANK = """
@@ -101,14 +99,6 @@ def test_a_plain_process_is_not_watched():
 
 def test_batch_wait_is_bounded_by_default():
     assert TrainerConfig().batch_timeout == 3600
-
-
-@pytest.fixture
-def one_rank():
-    """A one-process world (gloo), as a plain `trainer` without torchrun runs."""
-    world = init_distributed()
-    yield world
-    dist.destroy_process_group()
 
 
 def test_the_wait_warns_what_it_waits_for_and_times_out_saying_so(tmp_path, one_rank):

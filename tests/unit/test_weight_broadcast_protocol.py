@@ -25,7 +25,6 @@ from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.trainer import train
 from prime_rl.trainer.broadcast import WeightSender, header
-from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.train import wait_until
 from prime_rl.trainer.weights import STABLE, save_hf_dir
 from prime_rl.utils.net import free_port
@@ -100,10 +99,10 @@ class Receiver:
 
 
 @pytest.fixture
-def trainer(tmp_path):
+def trainer(tmp_path, one_rank):
     """The trainer side on a one-rank world: `WeightSender` hosting the store, serving from `wait_until` in a thread
     (as the trainer does while it waits for a batch) until the orchestrator says it is done."""
-    world = init_distributed()
+    world = one_rank
     config = WeightBroadcastConfig(type="gloo", port=free_port(), timeout=TIMEOUT)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(TinyModelConfig(output=tmp_path / "model")))
     sender = WeightSender(config, world)
@@ -122,7 +121,6 @@ def trainer(tmp_path):
     yield SimpleNamespace(config=config, sender=sender, model=model, errors=errors)
     sender.store.set(ORCHESTRATOR_DONE, "1")
     thread.join(30)
-    dist.destroy_process_group()
     assert not errors, errors
 
 
@@ -239,14 +237,13 @@ def test_a_store_that_resets_connections_fails_the_client_in_seconds_not_the_tra
     assert connect_store("127.0.0.1", master.port, timeout=120).timeout == timedelta(seconds=120)
 
 
-def test_a_checkpoint_step_is_offered_by_broadcast_before_its_directory_is_stable(tmp_path, monkeypatch):
+def test_a_checkpoint_step_is_offered_by_broadcast_before_its_directory_is_stable(tmp_path, monkeypatch, one_rank):
     """At a checkpoint step the trainer writes `broadcasts/step_n` and offers step n by broadcast, then waits until
     it is taken. An orchestrator that found the directory's STABLE while the store still named the older step loaded
     it from disk and never asked for the broadcast, and the two waited for each other (found in CI). So when STABLE
     appears, the store names the step already (the orchestrator then takes it by broadcast)."""
-    world = init_distributed()
     config = WeightBroadcastConfig(type="gloo", port=free_port(), timeout=TIMEOUT)
-    sender = WeightSender(config, world)
+    sender = WeightSender(config, one_rank)
     client = BroadcastClient(config, ack_timeout=TIMEOUT)
     seen = []
 
@@ -263,8 +260,7 @@ def test_a_checkpoint_step_is_offered_by_broadcast_before_its_directory_is_stabl
     )
     trainer_config = SimpleNamespace(output_dir=tmp_path / "out", batch_timeout=TIMEOUT)
     try:
-        train.publish(run, None, 2, 10, trainer_config, world, sender)
+        train.publish(run, None, 2, 10, trainer_config, one_rank, sender)
     finally:
         sender.close()
-        dist.destroy_process_group()
     assert seen == [(True, 2)]
