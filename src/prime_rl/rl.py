@@ -394,7 +394,7 @@ class RLConfig(EntrypointConfig):
         if trainer.critic is not None and orch.filter_zero_advantage:
             raise ValueError(
                 f"trainer.critic with {name}.filter_zero_advantage: the critic's GAE advantages are not the group's, "
-                "so a group whose rewards do not vary still trains the policy and the value model; drop neither"
+                "so a group whose rewards do not vary still trains the policy and the value model; set it to false"
             )
         if trainer.weight_broadcast != orch.weight_broadcast:
             raise ValueError(
