@@ -1,7 +1,8 @@
 """RL loss family: hand-derived values and gradients, masks, KL shaping, normalisation, stats, config checks.
 
-Notation: log r = π − μ, r = e^(log r), A the advantage, scale the global loss-token count;
-loss = Σ over kept tokens of L_t / scale.
+Notation: log r = π − μ, r = e^(log r), A the advantage, scale the step's normaliser (`step_loss_scale`: its
+loss tokens, or its samples for gspo); loss = Σ over kept tokens of w_t·L_t / scale, w_t = 1 except for gspo,
+where w_t = 1/n_i with n_i the kept tokens of the token's sample i.
 """
 
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from prime_rl.trainer.loss import LossConfig, compute_loss, ratio_masks, sequence_stats
+from prime_rl.trainer.loss import LossConfig, compute_loss, ratio_masks, sequence_stats, step_loss_scale
 
 F64 = torch.float64
 OBJECTIVES = ["aipo", "grpo", "gspo", "cispo"]
@@ -113,25 +114,24 @@ def test_gspo_value_and_grad(adv1):
     pi = [m + x for m, x in zip(mu, log_r, strict=True)]
     adv = [1.0, 2.0, 9.0, 3.0, adv1, adv1]
     # Sample 0: mean log r = (1e-4 - 1e-4 + 2e-4)/3, s0 = e^(2e-4/3) = 1.0000667, in range -> unclipped.
-    #   L_u = -s0*A_u for u in its 3 loss tokens; ds0/dπ_t = s0/|M0| = s0/3, so every loss token gets
-    #   grad = -Σ_u A_u * s0/3 = -(1+2+3)*s0/3 = -2*s0 (each L_u contributes -A_u*s0/|M0|).
-    # Sample 1: s1 = e^0.01 = 1.01005 > 1.0004.
-    #   A=+1: min(1.01005, 1.0004) -> clipped: L = -1.0004 per token, the whole sample's gradient is 0.
-    #   A=-1: min(-1.01005, -1.0004) = -1.01005 -> unclipped: L = 1.01005 per token,
-    #         grad per token = -Σ_u A_u*s1/2 = +s1.
+    #   L_u = -s0*A_u for u in its 3 loss tokens, each weighted 1/3: the sample's loss is -s0*(1+2+3)/3 = -2*s0.
+    #   ds0/dπ_t = s0/3, so every loss token gets grad = -2*s0/3.
+    # Sample 1 (2 tokens, weights 1/2): s1 = e^0.01 = 1.01005 > 1.0004.
+    #   A=+1: min(1.01005, 1.0004) -> clipped: loss -1.0004, the whole sample's gradient is 0.
+    #   A=-1: min(-1.01005, -1.0004) = -1.01005 -> unclipped: loss +s1, grad per token = s1/2.
     s0, s1 = math.exp(2e-4 / 3), math.exp(0.01)
     loss, grad, stats = run(cfg, pi, mu, adv, mask, ids, 2, SCALE)
-    expected_grad0 = [-2 * s0 / SCALE, -2 * s0 / SCALE, 0.0, -2 * s0 / SCALE]
+    expected_grad0 = [-2 * s0 / 3 / SCALE, -2 * s0 / 3 / SCALE, 0.0, -2 * s0 / 3 / SCALE]
     for g, e in zip(grad[:4], expected_grad0, strict=True):
         close(g, e)
     if adv1 > 0:
-        close(loss, (-6 * s0 - 2 * 1.0004) / SCALE)
+        close(loss, (-2 * s0 - 1.0004) / SCALE)
         assert grad[4:] == [0.0, 0.0]
         assert stats["clipped_tokens"].item() == 2
     else:
-        close(loss, (-6 * s0 + 2 * s1) / SCALE)
-        close(grad[4], s1 / SCALE)
-        close(grad[5], s1 / SCALE)
+        close(loss, (-2 * s0 + s1) / SCALE)
+        close(grad[4], s1 / 2 / SCALE)
+        close(grad[5], s1 / 2 / SCALE)
         assert stats["clipped_tokens"].item() == 0
 
 
@@ -142,17 +142,73 @@ def test_gspo_sequence_ratio_is_over_kept_tokens_only(adv):
     mu = [-1.0] * 3
     pi = [m + x for m, x in zip(mu, log_r, strict=True)]
     # Kept: t0, t1. s = e^((2e-4 - 4e-4)/2) = e^-1e-4 = 0.9999, inside the clip range -> unclipped either sign.
-    # L = Σ over kept u of -s*A = -2*s*A; ds/dπ_t = s/2 for t0 and t1 (the mean is over the 2 kept tokens),
-    # so grad = -2*A*s/2 = -A*s on t0 and t1, and exactly 0 on t2, which is not in the mean at all.
+    # L = Σ over kept u of -s*A/2 = -s*A (weights 1/2: two kept tokens); ds/dπ_t = s/2 for t0 and t1 (the mean is
+    # over the 2 kept tokens), so grad = -A*s/2 on t0 and t1, and exactly 0 on t2, which is not in the mean at all.
     # (Averaging over the loss mask instead gives s = e^((3 - 2e-4)/3) = 2.718: clipped for A = +1, and for
-    # A = -1 unclipped with gradient -2*A*s/3 = +1.81 flowing into the masked token t2.)
+    # A = -1 unclipped with gradient -A*s/3 = +0.91 flowing into the masked token t2.)
     s = math.exp(-1e-4)
     loss, grad, stats = run(cfg, pi, mu, [adv] * 3, [True] * 3, [0, 0, 0], 1, SCALE)
-    close(loss, -2 * s * adv / SCALE)
-    close(grad[0], -adv * s / SCALE)
-    close(grad[1], -adv * s / SCALE)
+    close(loss, -s * adv / SCALE)
+    close(grad[0], -adv * s / 2 / SCALE)
+    close(grad[1], -adv * s / 2 / SCALE)
     assert grad[2] == 0.0
     assert stats["masked_high"].item() == 1 and stats["clipped_tokens"].item() == 0
+
+
+def issue_case(objective, pi, mu, ids, mask, calls):
+    """float32 compute_loss over the two samples below, split into `calls` (lists of sample ids), like micro-batches
+    or ranks; every call divides by the step's `step_loss_scale`. Returns (summed loss, d loss / d π)."""
+    cfg = LossConfig(objective=objective)
+    pi = torch.tensor(pi, dtype=torch.float32, requires_grad=True)
+    mu, ids, mask = torch.tensor(mu, dtype=torch.float32), torch.tensor(ids), torch.tensor(mask)
+    scale = step_loss_scale(cfg, loss_tokens=int(mask.sum()), samples=2)
+    total = 0.0
+    for call in calls:
+        at = torch.isin(ids, torch.tensor(call))
+        local_ids = torch.searchsorted(torch.tensor(call), ids[at])  # renumbered 0.. within the call, as packing does
+        loss, _ = compute_loss(pi[at], mu[at], torch.ones(int(at.sum())), mask[at], local_ids, len(call), scale, cfg)
+        loss.backward()
+        total += loss.item()
+    return total, pi.grad.tolist()
+
+
+def test_gspo_weighs_each_sequence_equally_whatever_its_length():
+    # The issue's case: sample 0 = a prompt token + 4 completion tokens, sample 1 = a prompt token + 1 completion
+    # token; both have A = 1 and log r = x = 2^-14 on every completion token (prompt tokens: log r = 1, ignored).
+    # GSPO (paper): J = 1/G Σ_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean log r over sample i's tokens), G = 2.
+    #   s_0 = s_1 = s = e^x = 1.0000610370 (inside [1 - 3e-4, 1 + 4e-4]: unclipped), loss = -(s + s)/2 = -s.
+    #   Sample 0: ds_0/dπ_t = s/4 for each of its 4 tokens -> grad = -(1/2)*s/4 = -s/8 = -0.1250076296 each,
+    #             -s/2 = -0.5000305185 summed over the sequence.
+    #   Sample 1: ds_1/dπ_t = s for its one token -> grad = -(1/2)*s = -s/2 = -0.5000305185.
+    # Both sequences get the same total gradient, -s/2: equal weight 1/G. (Token weighting, divided by the 5 loss
+    # tokens, gave sample 0 4 * -s/5 and sample 1 -s/5: 4x.)
+    # float32: x = 2^-14, -1 + x (a multiple of 2^-24 in [0.5, 1)), π − μ, the mean of four x's, the weights 1/4 and
+    # 1/1 and the scale 2 are all exact; e^x is the only rounded operation (to within half an ulp, 2^-24 ~ 6e-8
+    # relative: it rounds to 1 + 2^-14, 1.9e-9 off), so rel = 5e-7 (4 ulps of 2^-23) is ample and still far below
+    # any weighting error (the smallest wrong weight here is off by 25%).
+    x = 2.0**-14
+    s = math.exp(x)
+    mu = [-1.0] * 7
+    pi = [0.0, -1 + x, -1 + x, -1 + x, -1 + x, 0.0, -1 + x]
+    ids = [0, 0, 0, 0, 0, 1, 1]
+    mask = [False, True, True, True, True, False, True]
+    tol = 5e-7
+    for calls in ([[0, 1]], [[0], [1]]):  # one packed call, or each sample in its own micro-batch / rank
+        loss, grad = issue_case("gspo", pi, mu, ids, mask, calls)
+        assert loss == pytest.approx(-s, rel=tol)
+        assert grad == pytest.approx([0.0, -s / 8, -s / 8, -s / 8, -s / 8, 0.0, -s / 2], rel=tol, abs=0)
+        assert sum(grad[0:5]) == pytest.approx(sum(grad[5:7]), rel=tol) == pytest.approx(-s / 2, rel=tol)
+    # The token-weighted objectives are unchanged: grpo (r = s for every token) divides by the 5 loss tokens and gives
+    # each token -r/5, so the 4-token sample gets 4x the 1-token one's gradient.
+    _, grad = issue_case("grpo", pi, mu, ids, mask, [[0, 1]])
+    assert grad == pytest.approx([0.0] + [-s / 5] * 4 + [0.0, -s / 5], rel=tol, abs=0)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_step_loss_scale_counts_samples_for_gspo_and_loss_tokens_otherwise(objective):
+    cfg = LossConfig(objective=objective)
+    assert step_loss_scale(cfg, loss_tokens=37, samples=6) == (6.0 if objective == "gspo" else 37.0)
+    assert step_loss_scale(cfg, loss_tokens=0, samples=0) == 1.0  # an empty step divides by 1, not 0
 
 
 def test_cispo_clipped_tokens_keep_gradient_unlike_grpo():
@@ -266,8 +322,10 @@ def test_masked_loss_token_with_infinite_ratio_gives_zero_not_nan(objective):
     cfg = LossConfig(objective=objective)
     pi, mu = [0.0, -1.0, -1.0], [-1000.0, -1.0, -1.0]
     loss, grad, stats = run(cfg, pi, mu, [1.0, 1.0, 1.0], [True] * 3, [0, 1, 1], 2, SCALE)
-    # Sample 1 is on-policy (r = 1): grad -A/scale for both tokens; sample 0 is fully masked.
-    assert grad == [0.0, -1.0 / SCALE, -1.0 / SCALE]
+    # Sample 1 is on-policy (r = 1): grad -A/scale for both tokens (gspo: -A/(2*scale), its 2 tokens weighing
+    # 1/2 each); sample 0 is fully masked.
+    per_token = 1.0 / 2 if objective == "gspo" else 1.0
+    assert grad == [0.0, -per_token / SCALE, -per_token / SCALE]
     assert math.isfinite(loss) and stats["masked_high"].item() == 1
 
 
@@ -341,7 +399,7 @@ def test_micro_batching_and_packing_order_give_one_batch_gradient(objective):
     samples = make_samples()
     lengths = [len(s[1]) for s in samples]
     offsets = [sum(lengths[:i]) for i in range(len(samples))]
-    scale = float(sum(int(s[3].sum()) for s in samples))  # global loss-token count of the "step"
+    scale = step_loss_scale(cfg, sum(int(s[3].sum()) for s in samples), len(samples))  # the whole "step"'s
 
     def grad_of(batches):
         pi = torch.cat([s[0] for s in samples]).requires_grad_(True)
@@ -366,8 +424,8 @@ def test_micro_batching_and_packing_order_give_one_batch_gradient(objective):
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_on_policy_every_objective_is_the_policy_gradient(objective):
-    # π = μ: r = 1, g = s = 1, nothing clipped or masked, so the gradient is -A/scale on every loss token
-    # (gspo: -Σ_u A*s/|M| = -A since the advantage is per sample).
+    # π = μ: r = 1, g = s = 1, nothing clipped or masked, so the gradient is -A/scale on every loss token; gspo
+    # weights each of sample i's n_i tokens 1/n_i, so its tokens get -A/(n_i*scale): -A/scale per sequence.
     samples = make_samples(seed=1, log_r_std=0.0)
     samples = [(mu.clone(), mu, adv, mask) for _, mu, adv, mask in samples]
     pi = torch.cat([s[0] for s in samples]).requires_grad_(True)
@@ -377,7 +435,9 @@ def test_on_policy_every_objective_is_the_policy_gradient(objective):
     p, mu, adv, mask, ids = pack(samples, pi, offsets, range(6))
     loss, stats = compute_loss(p, mu, adv, mask, ids, 6, 37.0, LossConfig(objective=objective))
     (grad,) = torch.autograd.grad(loss, pi)
-    assert torch.allclose(grad, torch.where(mask, -adv / 37.0, 0.0), atol=1e-14, rtol=0)
+    n = torch.cat([torch.full((len(m),), float(m.sum()), dtype=F64) for *_, m in samples])
+    expected = -adv / 37.0 / (n if objective == "gspo" else 1.0)
+    assert torch.allclose(grad, torch.where(mask, expected, 0.0), atol=1e-14, rtol=0)
     assert stats["clipped_tokens"] == 0 and stats["masked_tokens"] == 0 and stats["mismatch_kl_sum"] == 0
 
 

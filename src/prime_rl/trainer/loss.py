@@ -6,9 +6,11 @@ r = exp(π − μ), and ratios that are far from 1 (stale samples, numerical mis
 trainer) are masked out entirely rather than trusted.
 
 Everything works on flat per-token tensors of length N (one packed row, or any concatenation of tokens)
-with `sample_ids` saying which sample each token belongs to. The loss is a *sum* over kept tokens divided by
-`loss_scale`, the number of loss tokens of the whole step, so summing gradients over micro-batches and
-data-parallel ranks gives exactly the gradient of one big batch, however the samples were packed.
+with `sample_ids` saying which sample each token belongs to. The loss is a weighted *sum* over kept tokens
+divided by `loss_scale`, a count over the whole step (`step_loss_scale`), so summing gradients over
+micro-batches and data-parallel ranks gives exactly the gradient of one big batch, however the samples were
+packed. Token-level objectives weight every token 1 and count loss tokens; GSPO weights each of a sample's
+kept tokens 1/(its kept tokens) and counts samples, so every sequence weighs 1/G as in the paper.
 """
 
 from collections.abc import Callable
@@ -123,7 +125,8 @@ def gspo_loss(
 
     `seq_log_ratio` is log s_i per token (mean_log_r[sample_ids], with gradient). Rewards are per sequence, so
     the ratio is too: the length-normalised ratio has low variance, which is why its clip range is ~1e-4.
-    Clipping removes the gradient of the whole sample at once.
+    Clipping removes the gradient of the whole sample at once. Each token carries its sample's whole sequence
+    loss; `compute_loss` weights it 1/(kept tokens of the sample) (`token_weights`), so a sample counts once.
     """
     return _clipped_surrogate(seq_log_ratio, advantages, 1 - config.gspo_eps_low, 1 + config.gspo_eps_high)
 
@@ -163,6 +166,33 @@ def reference_kl(trainer_logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return log_ratio.exp() - log_ratio - 1
 
 
+SEQUENCE_WEIGHTED = frozenset({"gspo"})
+"""Objectives defined as a mean over sequences (each weighs 1/G); the others are means over loss tokens."""
+
+
+def step_loss_scale(config: LossConfig, loss_tokens: int, samples: int) -> float:
+    """`compute_loss`'s `loss_scale` for a step of `loss_tokens` loss tokens in `samples` samples (all ranks).
+
+    What the objective averages over: samples for a sequence-weighted objective (GSPO's 1/G), loss tokens for the
+    others. Both are whole-step totals every rank knows before its backward, so the ranks agree. At least 1.
+    """
+    return float(max(samples if config.objective in SEQUENCE_WEIGHTED else loss_tokens, 1))
+
+
+def token_weights(objective: str, keep: Tensor, sample_ids: Tensor, num_samples: int, dtype: torch.dtype) -> Tensor:
+    """Per-token weight of L_t in the loss sum: 1 on kept tokens, or 1/(kept tokens of its sample) for GSPO.
+
+    GSPO's L_t is its sample's sequence loss repeated on every kept token; summed unweighted, a 4-token sample
+    would get 4x the gradient of a 1-token one with the same advantage. With 1/n_i each sample sums to one
+    sequence loss whatever its length. A sample never spans two calls (packing keeps it in one row), so the
+    counts here are its whole counts. 0 on dropped tokens.
+    """
+    if objective not in SEQUENCE_WEIGHTED:
+        return keep.to(dtype)
+    counts = torch.zeros(num_samples, dtype=dtype, device=keep.device).index_add(0, sample_ids, keep.to(dtype))
+    return torch.where(keep, 1.0 / counts.clamp(min=1)[sample_ids], 0.0)
+
+
 def _count_samples(token_mask: Tensor, sample_ids: Tensor, num_samples: int) -> Tensor:
     """Number of samples with at least one token in `token_mask`."""
     hits = torch.zeros(num_samples, dtype=torch.float64, device=token_mask.device)
@@ -181,16 +211,16 @@ def compute_loss(
     ref_logprobs: Tensor | None = None,
     beta: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Σ over kept tokens of the objective's L_t, divided by `loss_scale`, and detached stats.
+    """Σ over kept tokens of the objective's L_t times `token_weights`, divided by `loss_scale`, and detached stats.
 
     With `ref_logprobs` (a frozen reference's, `[reference]`), β·`reference_kl` joins every kept token's L_t, so
-    the penalty is normalised and masked exactly like the objective; the stats gain `ref_kl_sum`, k3 summed over
-    every loss token (kept or not), averaged like `mismatch_kl_sum`.
+    the penalty is weighted, normalised and masked exactly like the objective; the stats gain `ref_kl_sum`, k3
+    summed over every loss token (kept or not), averaged like `mismatch_kl_sum`.
 
-    `loss_scale` is the loss-token count of the whole step (all micro-batches and ranks), not of this call,
-    so the summed gradients equal those of one big batch. Stats are float64 0-d sums and counts, made to be
-    all-reduced with SUM and then averaged: `*_tokens` and `mismatch_kl_sum` over `loss_tokens`,
-    `*_samples` over `samples`.
+    `loss_scale` is `step_loss_scale` of the whole step (all micro-batches and ranks), not of this call: its loss
+    tokens, or its samples for GSPO, so the summed gradients equal those of one big batch. Stats are float64 0-d
+    sums and counts, made to be all-reduced with SUM and then averaged: `*_tokens` and `mismatch_kl_sum` over
+    `loss_tokens`, `*_samples` over `samples`.
     """
     n = trainer_logprobs.shape[0]
     for name, tensor in (("inference_logprobs", inference_logprobs), ("advantages", advantages)):
@@ -222,7 +252,8 @@ def compute_loss(
     per_token, clipped = OBJECTIVES[config.objective](policy_logprobs, ratio_input, effective_adv, config)
     if ref_logprobs is not None:  # zeroed like π on dropped tokens, where k3 is then exactly 0
         per_token = per_token + beta * reference_kl(policy_logprobs, torch.where(keep, ref_logprobs, 0.0))
-    loss = torch.where(keep, per_token, 0.0).sum() / loss_scale
+    weights = token_weights(config.objective, keep, sample_ids, num_samples, per_token.dtype)
+    loss = torch.where(keep, per_token * weights, 0.0).sum() / loss_scale
 
     with torch.no_grad():
         f64 = torch.float64
