@@ -37,7 +37,7 @@ from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
-from prime_rl.trainer.loss import compute_loss
+from prime_rl.trainer.loss import compute_loss, step_loss_scale
 from prime_rl.trainer.packing import PackedRow
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.reference import Reference, load_reference
@@ -103,7 +103,8 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         if critic is not None:  # the rows' token rewards become GAE advantages under the values at the step's start
             prepared, critic_sums = prepare(critic.model, rows, config.critic, world)
         run.model.train()
-        totals = train_step(run.model, rows, {0: loss_scale}, config, world, reference=reference)[0]
+        policy_scale = step_loss_scale(config.loss, info["loss_tokens"], info["samples"])  # GSPO: per sequence
+        totals = train_step(run.model, rows, {0: policy_scale}, config, world, reference=reference)[0]
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         if critic is not None:
             value_sums, critic_grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)

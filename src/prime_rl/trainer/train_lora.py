@@ -23,6 +23,7 @@ from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.lora import LoRAAdapters
+from prime_rl.trainer.loss import step_loss_scale
 from prime_rl.trainer.reference import load_reference
 from prime_rl.trainer.runs import Changes, Run, Runs
 from prime_rl.trainer.scaffold import StepMeter, all_reduce_sums, load_model, next_rows
@@ -59,7 +60,12 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
         trained = [run for run in ready if run.name not in failed]
         if trained:
             model.train()
-            scales = {run.slot: max(info["slots"][run.slot]["loss_tokens"], 1) for run in trained}
+            scales = {
+                run.slot: step_loss_scale(
+                    config.loss, info["slots"][run.slot]["loss_tokens"], info["slots"][run.slot]["samples"]
+                )
+                for run in trained
+            }
             totals = train_step(model, rows, scales, config, world, adapters, reference)
             adapters.all_reduce_grads([run.slot for run in trained], world.world_size)
             steps = {run.name: runs.optimizer_step(run) for run in trained}
