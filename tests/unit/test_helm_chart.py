@@ -1,14 +1,18 @@
 """The Helm chart (deploy/helm/prime-rl), checked without a cluster: the real `helm` CLI lints and renders it,
 every manifest is validated strictly against the Kubernetes 1.33 schemas, the rendered pods are asserted on, and
 every rendered container's command line is parsed by its entry point's own `--dry-run`, so the chart can never
-ship a config our code refuses."""
+ship a config our code refuses. The run secret's `lookup` (kept across upgrades) runs against a stand-in API server."""
 
 from __future__ import annotations
 
+import base64
+import http.server
 import importlib.util
+import json
 import os
 import re
 import subprocess
+import threading
 import tomllib
 from pathlib import Path
 from unittest import mock
@@ -155,6 +159,9 @@ def test_multi_node_layout(helm):
     key = {"secretKeyRef": {"name": "prime-rl-keys", "key": "inference-api-key", "optional": True}}
     assert env_of(orchestrator)["INFERENCE_SERVER_API_KEY"] == key
 
+    run_secret = {"secretKeyRef": {"name": "prime-rl-keys", "key": "run-secret"}}  # existingRunSecret
+    assert all(env_of(c)["PRIME_RL_SECRET"] == run_secret for c, _ in pods.values())
+
     inference, inference_pod = pods["inference"]
     assert env_of(inference)["INFERENCE_SERVER_API_KEY"] == key
     assert flag(inference, "--inference.server.host") == "0.0.0.0"
@@ -187,11 +194,156 @@ def test_every_pod_shares_one_volume_and_a_crash_fails_its_pod(helm, case):
 
 def test_secret_created_from_values(helm):
     docs = render(helm, "split-node-values")
-    (secret,) = by_kind(docs, "Secret").values()
+    secrets = by_kind(docs, "Secret")
+    assert set(secrets) == {"exp-keys", "exp-run-secret"}
+    secret = secrets["exp-keys"]
     assert secret["stringData"] == {"wandb-api-key": "not-a-real-key"}
     rl, _ = containers(docs)["rl"]
     assert env_of(rl)["WANDB_API_KEY"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
     assert rl["resources"]["limits"] == {"nvidia.com/gpu": 8}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run secret: one value per release, PRIME_RL_SECRET of every container, from a Secret (never a value).
+
+
+def run_secret_value(docs: list[dict], name: str = "exp-run-secret") -> str:
+    secret = by_kind(docs, "Secret")[name]
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"run-secret"} and "stringData" not in secret
+    return base64.b64decode(secret["data"]["run-secret"], validate=True).decode()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_gets_the_run_secret_from_its_secret(helm, case):
+    docs = render(helm, case)
+    existing = "multi-node" in case  # ci/multi-node-values.yaml names an existing Secret
+    name = "prime-rl-keys" if existing else "exp-run-secret"
+    pods = containers(docs)
+    assert pods
+    for container_name, (container, _) in pods.items():
+        ref = env_of(container)["PRIME_RL_SECRET"]
+        assert ref == {"secretKeyRef": {"name": name, "key": "run-secret"}}, container_name  # required, not optional
+        assert [e["name"] for e in container["env"]].count("PRIME_RL_SECRET") == 1
+    if existing:
+        assert "Secret" not in {d["kind"] for d in docs}
+    else:
+        assert re.fullmatch(r"[0-9a-f]{64}", run_secret_value(docs))
+
+
+def test_the_created_run_secret_is_random_and_appears_nowhere_else(helm, tmp_path):
+    out = [
+        subprocess.run(
+            [str(helm), "template", "exp", str(CHART), "--namespace", "rl"], capture_output=True, text=True, timeout=60
+        ).stdout
+        for _ in range(2)
+    ]
+    values = [run_secret_value([d for d in yaml.safe_load_all(text) if d]) for text in out]
+    assert values[0] != values[1]  # a fresh value each install (helm template has no cluster to look it up in)
+    for text, value in zip(out, values, strict=True):
+        encoded = base64.b64encode(value.encode()).decode()
+        assert value not in text and text.count(encoded) == 1  # only in the Secret: no arg, env value or annotation
+
+
+def test_an_existing_run_secret_is_used_and_none_created(helm):
+    for launcher in ("roles", "rl"):
+        docs = render(helm, "default", "--set", f"launcher={launcher}", "--set", "secrets.existingRunSecret=my-run")
+        assert "Secret" not in {d["kind"] for d in docs}
+        pods = containers(docs)
+        assert pods and all(
+            env_of(c)["PRIME_RL_SECRET"] == {"secretKeyRef": {"name": "my-run", "key": "run-secret"}}
+            for c, _ in pods.values()
+        )
+
+
+def test_values_schema_refuses_unknown_run_secret_keys(helm):
+    assert "additional properties 'runSecret' not allowed" in template_error(helm, "--set", "secrets.runSecret=x")
+    assert "'/secrets/existingRunSecret'" in template_error(helm, "--set", "secrets.existingRunSecret=3")
+
+
+class FakeKubeAPI(http.server.BaseHTTPRequestHandler):
+    """Just enough of a Kubernetes API server for `helm template --dry-run=server`: discovery of the chart's kinds,
+    GET of one object by name (404 for any other), nothing written."""
+
+    objects: dict[str, dict] = {}
+    KINDS = {
+        "v1": [
+            ("secrets", "Secret"),
+            ("configmaps", "ConfigMap"),
+            ("services", "Service"),
+            ("persistentvolumeclaims", "PersistentVolumeClaim"),
+        ],
+        "apps/v1": [("statefulsets", "StatefulSet")],
+        "batch/v1": [("jobs", "Job")],
+    }
+
+    def body(self, path: str) -> dict | None:
+        if path == "/version":
+            return {"major": "1", "minor": "33", "gitVersion": "v1.33.0"}
+        if path == "/api":
+            return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+        if path == "/apis":
+            versions = [{"groupVersion": gv, "version": gv.split("/")[1]} for gv in self.KINDS if "/" in gv]
+            groups = [
+                {"name": v["groupVersion"].split("/")[0], "versions": [v], "preferredVersion": v} for v in versions
+            ]
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+        for gv, kinds in self.KINDS.items():
+            if path == ("/api/v1" if gv == "v1" else f"/apis/{gv}"):
+                resources = [{"name": n, "namespaced": True, "kind": k, "verbs": ["get"]} for n, k in kinds]
+                return {"kind": "APIResourceList", "groupVersion": gv, "resources": resources}
+        return self.objects.get(path)
+
+    def do_GET(self):
+        body = self.body(self.path.split("?")[0])
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body or {"kind": "Status", "apiVersion": "v1", "code": 404}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_an_upgrade_keeps_the_run_secret_in_the_cluster(helm, tmp_path, installed):
+    """The chart's lookup, run by the real helm against a stand-in API server: a Secret <release>-run-secret
+    already in the namespace (a previous install) keeps its value; without one, a new value is made."""
+    kept = "1f" * 32
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": "exp-run-secret",
+            "namespace": "rl",
+            "labels": {"app.kubernetes.io/managed-by": "Helm"},  # Helm's ownership marks: its own release's Secret
+            "annotations": {"meta.helm.sh/release-name": "exp", "meta.helm.sh/release-namespace": "rl"},
+        },
+        "data": {"run-secret": base64.b64encode(kept.encode()).decode()},
+    }
+    objects = {"/api/v1/namespaces/rl/secrets/exp-run-secret": secret} if installed else {}
+    handler = type("API", (FakeKubeAPI,), {"objects": objects})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out = subprocess.run(
+            [str(helm), "template", "exp", str(CHART), "--namespace", "rl", "--dry-run=server"]
+            + ["--disable-openapi-validation", "--kube-apiserver", f"http://127.0.0.1:{server.server_port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KUBECONFIG": str(tmp_path / "no-kubeconfig"), "HOME": str(tmp_path)},
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 0, out.stderr
+    value = run_secret_value([d for d in yaml.safe_load_all(out.stdout) if d])
+    if installed:
+        assert value == kept
+    else:
+        assert re.fullmatch(r"[0-9a-f]{64}", value) and value != kept
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,8 +368,9 @@ def test_every_container_config_passes_its_entry_points_dry_run(helm, case, tmp_
         env = {k: v for k, v in env_of(container).items() if isinstance(v, str)}
         if name == "trainer":  # from the downward API: the last node's rank stands in
             env["NODE_RANK"] = str(int(flag(container, "--deployment.trainer-nodes")) - 1)
-        for key, value in env_of(container).items():
-            monkeypatch.setenv(key, value if isinstance(value, str) else "stand-in-secret")
+        for key, value in env_of(container).items():  # a Secret's value: a stand-in (PRIME_RL_SECRET: 64 hex)
+            stand_in = "5e" * 32 if key == "PRIME_RL_SECRET" else "stand-in-secret"
+            monkeypatch.setenv(key, value if isinstance(value, str) else stand_in)
         argv = [expand(w, env).replace("/etc/prime-rl/", f"{tmp_path}/") for w in container["args"]]
         with pytest.raises(SystemExit) as exit_:
             with mock.patch.dict(os.environ):  # rl maps the seed's variables into os.environ

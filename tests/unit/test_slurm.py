@@ -1,8 +1,10 @@
-"""deploy/slurm/rl.sbatch without a cluster: `scontrol`, `srun` and `scancel` are stand-ins on PATH (SLURM cannot
-run here); the script's node layout is checked for 1 and 3 nodes, every node's command is parsed by `rl`'s own
-`--dry-run`, and its job control is run for real against the stand-ins."""
+"""deploy/slurm/rl.sbatch without a cluster: `scontrol`, `srun`, `scancel` and the `rl` a step runs are stand-ins
+on PATH (SLURM cannot run here); the script's node layout is checked for 1 and 3 nodes, every node's command is
+parsed by `rl`'s own `--dry-run`, its job control is run for real against the stand-ins, hostile arguments must
+reach `rl` literally without running, and every node must get the same PRIME_RL_SECRET, never shown."""
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -24,15 +26,26 @@ spec="$3"; prefix="${spec%%[*}"; range="${spec#*[}"; range="${range%]}"
 if [[ "$spec" == "$prefix" ]]; then echo "$spec"; exit; fi
 for i in $(seq "${range%-*}" "${range#*-}"); do echo "$prefix$i"; done
 """
-# srun: an inference-only node serves until stopped, node FAIL_NODE fails, the others finish at once.
+# srun as SLURM runs a step: its options, then the program, executed on the node (here: locally, with the
+# caller's environment and SLURMD_NODENAME set, as in a real step). It records its own argv (NUL-separated).
 SRUN = """#!/usr/bin/env bash
-node="${3#--nodelist=}"; echo "$node" >> "$STUB_LOG"
+args=("$@")
+while [[ "$1" == --* ]]; do [[ "$1" == --nodelist=* ]] && node="${1#--nodelist=}"; shift; done
+echo "$node" >> "$STUB_LOG"; printf '%s\\0' "${args[@]}" > "$STUB_DIR/srun.$node"
+SLURMD_NODENAME="$node" exec "$@"
+"""
+# rl: records its argv and the PRIME_RL_SECRET it got; node FAIL_NODE fails, an inference-only node serves until
+# stopped (scancel kills exactly those), the others finish at once.
+RL = """#!/usr/bin/env bash
+node="$SLURMD_NODENAME"
+printf '%s\\0' "$@" > "$STUB_DIR/rl.$node"; printf '%s' "${PRIME_RL_SECRET-unset}" > "$STUB_DIR/secret.$node"
 if [[ "$node" == "$FAIL_NODE" ]]; then sleep 1; exit 3; fi
-if [[ "$7" == *"'[inference]'"* ]]; then exec sleep 60; fi
+for word in "$@"; do [[ "$word" == "[inference]" ]] && { echo $$ >> "$STUB_DIR/serving"; exec sleep 60; }; done
 sleep 1
 """
 SCANCEL = """#!/usr/bin/env bash
-echo "scancel $1" >> "$STUB_LOG"; pkill -f "^sleep 60$" || true
+echo "scancel $1" >> "$STUB_LOG"
+[[ -f "$STUB_DIR/serving" ]] && kill $(cat "$STUB_DIR/serving") 2>/dev/null || true
 """
 
 
@@ -40,33 +53,46 @@ echo "scancel $1" >> "$STUB_LOG"; pkill -f "^sleep 60$" || true
 def slurm_env(tmp_path) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("scancel", SCANCEL)):
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("rl", RL), ("scancel", SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    stub_dir = tmp_path / "stub"
+    stub_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PRIME_RL_SECRET"}
     return {
-        **os.environ,
+        **env,
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_ID": "42",
         "STUB_LOG": str(tmp_path / "log"),
+        "STUB_DIR": str(stub_dir),
     }
 
 
-def node_commands(env: dict[str, str], nodelist: str, **extra: str) -> list[tuple[str, list[str]]]:
+def print_only(env: dict[str, str], nodelist: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        ["bash", str(SBATCH), str(CONFIG), "--max-steps", "7"],
+        ["bash", str(SBATCH), *(args or (str(CONFIG), "--max-steps", "7"))],
         env={**env, "SLURM_JOB_NODELIST": nodelist, "PRINT_ONLY": "1", **extra},
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert out.returncode == 0, out.stderr
+    return out
+
+
+def node_commands(env: dict[str, str], nodelist: str, *args: str, **extra: str) -> list[tuple[str, list[str]]]:
+    out = print_only(env, nodelist, *args, **extra)
     return [(line.split("|")[0], shlex.split(line.split("|", 1)[1])) for line in out.stdout.splitlines()]
+
+
+STAND_IN_SECRET = "5e" * 32  # a multi-host `rl` may insist on PRIME_RL_SECRET; every node of a job gets one
 
 
 def dry_run(argv: list[str], capsys) -> dict:
     assert argv[0] == "rl"
     with pytest.raises(SystemExit) as exit_:
-        with mock.patch.dict(os.environ):  # rl maps the seed's variables into os.environ
+        # rl maps the seed's variables into os.environ; the job's PRIME_RL_SECRET, which a multi-host rl may need
+        with mock.patch.dict(os.environ, {"PRIME_RL_SECRET": STAND_IN_SECRET}):
             rl_main([*argv[1:], "--dry-run"])
     out = capsys.readouterr()
     assert exit_.value.code == 0, out.err
@@ -107,17 +133,29 @@ def test_too_many_inference_nodes_is_an_error(slurm_env):
     assert out.returncode == 2 and "INFERENCE_NODES=2 needs 1 <= INFERENCE_NODES < nodes (2)" in out.stderr
 
 
-def run_job(env: dict[str, str], **extra: str) -> tuple[int, float, list[str]]:
+def run_job(env: dict[str, str], *args: str, **extra: str) -> tuple[int, float, list[str]]:
+    code, seconds, log, _ = run_job_output(env, *args, **extra)
+    return code, seconds, log
+
+
+def run_job_output(env: dict[str, str], *args: str, **extra: str) -> tuple[int, float, list[str], str]:
+    """Runs the job on n1..n4 (2 inference nodes) against the stand-ins; also returns the job's output."""
     started = time.monotonic()
     out = subprocess.run(
-        ["bash", str(SBATCH), str(CONFIG)],
+        ["bash", str(SBATCH), *(args or (str(CONFIG),))],
         env={**env, "SLURM_JOB_NODELIST": "n[1-4]", "INFERENCE_NODES": "2", **extra},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert "inference node n2 failed (3)" in out.stderr or extra.get("FAIL_NODE") != "n2", out.stderr
-    return out.returncode, time.monotonic() - started, Path(env["STUB_LOG"]).read_text().splitlines()
+    log = Path(env["STUB_LOG"]).read_text().splitlines()
+    return out.returncode, time.monotonic() - started, log, out.stdout + out.stderr
+
+
+def recorded(env: dict[str, str], what: str, node: str) -> list[str]:
+    """The NUL-separated argv a stand-in recorded on a node (`srun` its own, `rl` what the step ran)."""
+    return (Path(env["STUB_DIR"]) / f"{what}.{node}").read_text().split("\0")[:-1]
 
 
 def test_the_job_ends_when_orchestrator_and_trainers_finish_not_waiting_for_servers(slurm_env):
@@ -134,3 +172,96 @@ def test_a_failing_trainer_node_ends_the_job_with_its_status(slurm_env):
 def test_a_failing_inference_node_is_reported_and_the_run_goes_on(slurm_env):
     code, seconds, log = run_job(slurm_env, FAIL_NODE="n2")
     assert code == 0 and log[-1] == "scancel 42"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hostile arguments: every argument reaches `rl` as exactly one literal word; nothing is run as shell code.
+
+
+def hostile_args(tmp_path: Path, quotes: bool = True) -> tuple[str, list[str]]:
+    """A config path and extra flags that run `touch pwned*` if any shell parses them. Without quotes the old
+    `bash -c "rl @ $config $*"` ran them; with a quote it failed on a syntax error instead."""
+    config = f"{tmp_path}/my runs/$(touch {tmp_path}/pwned)/rl `touch {tmp_path}/pwned2`.toml"
+    extra = [
+        "--wandb.name",
+        f"x; touch {tmp_path}/pwned3 #",
+        "--model.name",
+        f"$HOME && touch {tmp_path}/pwned4 | ${{IFS}} * [x] \\ >{tmp_path}/pwned5",
+    ]
+    if quotes:
+        extra += ["--wandb.project", f"it's \"quoted\" '' $(touch {tmp_path}/pwned6)", ""]  # "": one word too
+    return config, extra
+
+
+def nothing_ran(tmp_path: Path) -> None:
+    pwned = sorted(p.name for p in tmp_path.glob("pwned*"))
+    assert not pwned, f"an argument ran as shell code: {pwned}"
+
+
+def test_print_only_shows_hostile_arguments_as_single_literal_words(slurm_env, tmp_path):
+    config, extra = hostile_args(tmp_path)
+    for nodelist, hosts in (("gpu7", ["gpu7"]), ("n[1-3]", ["n1", "n2", "n3"])):
+        commands = node_commands(slurm_env, nodelist, config, *extra)
+        assert [host for host, _ in commands] == hosts
+        for _, argv in commands:
+            assert argv[:3] == ["rl", "@", config] and argv[-len(extra) :] == extra, argv
+    nothing_ran(tmp_path)
+
+
+@pytest.mark.parametrize("quotes", [False, True])
+def test_hostile_arguments_reach_every_nodes_rl_literally_and_run_nothing(slurm_env, tmp_path, quotes):
+    config, extra = hostile_args(tmp_path, quotes)
+    if quotes:
+        extra.append("two\nlines")  # not shown by PRINT_ONLY's one line per node, but still one word for `rl`
+    code, _, log, _ = run_job_output(slurm_env, config, *extra, FAIL_NODE="none")
+    assert code == 0 and sorted(log[:4]) == ["n1", "n2", "n3", "n4"]
+    nothing_ran(tmp_path)
+    printed = dict(node_commands(slurm_env, "n[1-4]", str(CONFIG), INFERENCE_NODES="2"))
+    for node in ("n1", "n2", "n3", "n4"):
+        # what `rl` got: PRINT_ONLY's words for the node, the config and the extra words replaced by the hostile ones
+        assert recorded(slurm_env, "rl", node) == [*printed[node][1:2], config, *printed[node][3:], *extra], node
+        srun = recorded(slurm_env, "srun", node)
+        assert "bash" not in srun and "-c" not in srun  # srun runs `rl` itself: no shell parses the words
+        assert srun[srun.index("rl") :] == ["rl", *recorded(slurm_env, "rl", node)]
+    assert recorded(slurm_env, "rl", "n1")[:3] == ["@", config, "--deployment.run-id"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run secret: every node's `rl` gets the same PRIME_RL_SECRET through the environment, never a command line.
+
+
+@pytest.mark.parametrize("source", ["python3", "urandom"])
+def test_every_node_gets_the_same_generated_secret(slurm_env, tmp_path, source):
+    if source == "urandom":  # no usable python3 on the batch host: the fallback reads /dev/urandom
+        stub = tmp_path / "bin" / "python3"
+        stub.write_text("#!/usr/bin/env bash\nexit 127\n")
+        stub.chmod(0o755)
+    code, _, _, output = run_job_output(slurm_env, FAIL_NODE="none")
+    assert code == 0, output
+    secrets = {node: (Path(slurm_env["STUB_DIR"]) / f"secret.{node}").read_text() for node in ("n1", "n2", "n3", "n4")}
+    (secret,) = set(secrets.values())
+    assert re.fullmatch(r"[0-9a-f]{64}", secret), secrets
+    assert secret not in output  # not in the job's output
+    for node in secrets:
+        assert not any(secret in word for word in recorded(slurm_env, "srun", node))  # nor on a command line
+
+    code, _, _, output = run_job_output(slurm_env, FAIL_NODE="none")  # the next job: a secret of its own
+    assert (Path(slurm_env["STUB_DIR"]) / "secret.n1").read_text() != secret
+
+
+def test_a_given_secret_is_passed_unchanged_and_never_printed(slurm_env):
+    given = "given secret, with spaces & $(not code)"
+    code, _, _, output = run_job_output(slurm_env, FAIL_NODE="none", PRIME_RL_SECRET=given)
+    assert code == 0, output
+    for node in ("n1", "n2", "n3", "n4"):
+        assert (Path(slurm_env["STUB_DIR"]) / f"secret.{node}").read_text() == given
+        assert not any(given in word for word in recorded(slurm_env, "srun", node))
+    assert given not in output
+
+
+@pytest.mark.parametrize("nodelist", ["gpu7", "n[1-3]"])
+def test_print_only_never_shows_the_secret(slurm_env, nodelist):
+    out = print_only(slurm_env, nodelist, PRIME_RL_SECRET=STAND_IN_SECRET)
+    assert out.stdout and STAND_IN_SECRET not in out.stdout + out.stderr
+    out = print_only(slurm_env, nodelist)  # none given: PRINT_ONLY neither generates nor shows one
+    assert not re.search(r"[0-9a-f]{64}", out.stdout + out.stderr)

@@ -23,6 +23,11 @@ app.kubernetes.io/component: {{ .role }}
 {{- if or .Values.secrets.existingSecret .Values.secrets.inferenceApiKey .Values.secrets.wandbApiKey }}true{{ end -}}
 {{- end -}}
 
+{{/* The Secret holding the run secret (key `run-secret`): a user-given one, else the chart's (run-secret.yaml). */}}
+{{- define "prime-rl.runSecretName" -}}
+{{- .Values.secrets.existingRunSecret | default (printf "%s-run-secret" (include "prime-rl.fullname" .)) -}}
+{{- end -}}
+
 {{- define "prime-rl.claimName" -}}
 {{- .Values.storage.existingClaim | default (printf "%s-data" (include "prime-rl.fullname" .)) -}}
 {{- end -}}
@@ -59,8 +64,12 @@ app.kubernetes.io/component: {{ .role }}
 [{{ join "," (until (int .)) }}]
 {{- end -}}
 
-{{/* Environment every container gets: the keys from the Secret (optional keys: an existing Secret may hold one). */}}
+{{/* Environment every container gets: the run secret, and the keys from the Secret (optional keys: an existing
+Secret may hold one). PRIME_RL_SECRET is required: a pod whose Secret or key is missing does not start. */}}
 {{- define "prime-rl.keyEnv" -}}
+- name: PRIME_RL_SECRET
+  valueFrom:
+    secretKeyRef: {name: {{ include "prime-rl.runSecretName" . }}, key: run-secret}
 {{- if include "prime-rl.hasSecret" . }}
 - name: WANDB_API_KEY
   valueFrom:
