@@ -62,6 +62,7 @@ from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.monitor_config import WandbConfig
 from prime_rl.utils.net import free_port
 from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.secret import SECRET_VAR, SecretError, new_secret, run_secret
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 TRAINER_DONE_GRACE = 60.0
@@ -245,7 +246,7 @@ class RLConfig(EntrypointConfig):
                 # Every host must agree: on several, the port after the trainer's rendezvous port (the same config).
                 port = free_port() if deploy.single_host else deploy.master_port + 1
                 shared["port"] = self.weight_broadcast.port = port
-            for name, section in (("trainer", trainer), ("orchestrator", orch)):
+            for name, section in [("trainer", trainer), ("orchestrator", orch)] + ([("inference", inf)] if inf else []):
                 current = section.weight_broadcast
                 for key, value in shared.items():
                     _share(current, key, value, f"{name}.weight_broadcast", f"weight_broadcast.{key}")
@@ -265,6 +266,8 @@ class RLConfig(EntrypointConfig):
             )
         if self.api_key() is not None:
             _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
+        elif inf is not None and "api_key_var" not in orch.client.model_fields_set:
+            orch.client.api_key_var = SECRET_VAR  # the run's servers take the run secret as token when they have no key
         if self.bench is not None:
             self._bench()
         if self.runs and trainer.model.lora is None:
@@ -399,6 +402,10 @@ class RLConfig(EntrypointConfig):
         if trainer.weight_broadcast != orch.weight_broadcast:
             raise ValueError(
                 f"trainer.weight_broadcast and {name}.weight_broadcast disagree; use the shared `weight_broadcast`"
+            )
+        if inf is not None and inf.weight_broadcast != trainer.weight_broadcast:
+            raise ValueError(
+                "trainer.weight_broadcast and inference.weight_broadcast disagree; use the shared `weight_broadcast`"
             )
 
 
@@ -846,9 +853,26 @@ def wait_for_run(config: RLConfig) -> None:
         time.sleep(1)
 
 
+def provide_secret(config: RLConfig) -> None:
+    """Every process of the run gets the run secret by environment: the one given, or on one host a new one. Hosts
+    of one run must share theirs, so a run over several hosts refuses to make one up."""
+    try:
+        if run_secret() is not None:
+            return
+    except SecretError as e:
+        fail(str(e))
+    if not config.deployment.single_host:
+        fail(
+            f"a run over several hosts needs the same run secret on every host: set {SECRET_VAR} "
+            f"(e.g. `export {SECRET_VAR}=$(openssl rand -hex 32)`; deploy/slurm and the Helm chart do it for you)"
+        )
+    os.environ[SECRET_VAR] = new_secret()  # inherited by every process `rl` starts, never written anywhere
+
+
 def main(argv: list[str] | None = None) -> None:
     seed_environment(os.environ)
     config, _ = load_config(RLConfig, "rl", argv)
+    provide_secret(config)
     roles = config.deployment.roles
     names = {config.trainer.model.name} if "trainer" in roles else set()
     if config.inference is not None and "inference" in roles:

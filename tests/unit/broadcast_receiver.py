@@ -1,9 +1,10 @@
 """A stand-in inference worker for the weight-broadcast protocol tests (the real one lives inside vLLM).
 
-Reads one JSON spec per line on stdin (the body the orchestrator sends a server, plus test-only fields), joins or
-reuses the group as a vLLM worker does, receives the transfer and answers one JSON line: {"step": n} after saving
-the tensors to `spec["out"]`, {"refused": ...} or {"error": ...}. Test-only fields: `refuse` (say no to the header),
-`die_after` (exit after receiving that many tensors, as a crashed worker)."""
+Reads one JSON line per transfer on stdin: the body the orchestrator sends a server (`broadcast`), the server's own
+settings (`settings`: host, port, timeout) and test-only fields; joins or reuses the group as a vLLM worker does
+(through the trainer's store, with the run secret from the environment), receives the transfer and answers one JSON
+line: {"step": n} after saving the tensors to `out`, {"refused": ...} or {"error": ...}. Test-only fields: `refuse`
+(say no to the header), `die_after` (exit after receiving that many tensors, as a crashed worker)."""
 
 import json
 import os
@@ -11,41 +12,38 @@ import sys
 
 import torch
 
-from prime_rl.weight_broadcast import agree, connect_store, join_group, receive_header, receive_tensors
+from prime_rl.utils.secret import require_secret
+from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
+from prime_rl.weight_broadcast.store import StoreClient
 
 CPU = torch.device("cpu")
+HEADER_LIMIT = 1 << 20
 
 
 def main() -> None:
     groups: dict = {}
     for line in sys.stdin:
-        spec = json.loads(line)
-        key = (spec["session"], spec["generation"])
+        line = json.loads(line)
+        spec, settings = line["broadcast"], line["settings"]
+        key = (spec["session"], spec["group"])
         try:
             if key not in groups:
                 groups.clear()
-                store = connect_store(spec["host"], spec["port"], spec["timeout"])
-                group = join_group(
-                    store,
-                    spec["session"],
-                    spec["generation"],
-                    spec["rank"],
-                    spec["world_size"],
-                    "gloo",
-                    spec["timeout"],
-                )
+                store = StoreClient(settings["host"], settings["port"], require_secret("a test"), settings["timeout"])
+                assert read_session(store, 5)["id"] == spec["session"], "stale session"
+                group = join_group(store, spec["group"], spec["rank"], spec["world_size"], "gloo", settings["timeout"])
                 groups[key] = (store, group)
             group = groups[key][1]
-            header = receive_header(group, CPU)
-            if not agree(group, not spec.get("refuse"), CPU):
+            header = receive_header(group, CPU, HEADER_LIMIT, settings["timeout"])
+            if not agree(group, not line.get("refuse"), CPU, settings["timeout"]):
                 print(json.dumps({"refused": True}), flush=True)
                 continue
             received = {}
-            for name, tensor in receive_tensors(group, header, CPU):
+            for name, tensor in receive_tensors(group, header, CPU, settings["timeout"]):
                 received[name] = tensor.clone()
-                if spec.get("die_after") is not None and len(received) >= spec["die_after"]:
+                if line.get("die_after") is not None and len(received) >= line["die_after"]:
                     os._exit(3)
-            torch.save(received, spec["out"])
+            torch.save(received, line["out"])
             print(json.dumps({"step": header.step}), flush=True)
         except Exception as e:
             groups.clear()

@@ -11,3 +11,26 @@ def one_rank():
     world = init_distributed()
     yield world
     dist.destroy_process_group()
+
+
+TEST_SECRET = "unit-test-run-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def trainer_store(monkeypatch):
+    """A real weight-broadcast store as trainer rank 0 hosts it (its session written), with the run secret in this
+    process's environment; `settings` is what a server configured for it holds."""
+    import uuid
+    from types import SimpleNamespace
+
+    from prime_rl.utils.secret import SECRET_VAR
+    from prime_rl.weight_broadcast.protocol import SESSION, set_json
+    from prime_rl.weight_broadcast.store import StoreServer, Table
+
+    monkeypatch.setenv(SECRET_VAR, TEST_SECRET)
+    table, session = Table(), uuid.uuid4().hex
+    set_json(table, SESSION, {"id": session, "backend": "gloo"})
+    server = StoreServer("127.0.0.1", 0, TEST_SECRET, table)
+    settings = {"type": "gloo", "host": "127.0.0.1", "port": server.port, "timeout": 10.0}
+    yield SimpleNamespace(server=server, table=table, session=session, settings=settings)
+    server.close()

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from prime_rl.inference.adapters import Adapters
-from prime_rl.inference.plugin import WeightsUnknownGate, WeightSwapper, router
+from prime_rl.inference.plugin import AccessGuard, WeightsUnknownGate, WeightSwapper, router, server_tokens
 
 SHAPES = {"embed.weight": (10, 4), "norm.weight": (4,)}
 LORA_SHAPES = {**SHAPES, "layers.0.q_proj.weight": (6, 4), "layers.0.o_proj.weight": (4, 6)}
@@ -55,7 +55,9 @@ class FakeEngine:
         self.calls: list[tuple] = []
         self.paused = False
         self.receive: dict | Exception = {"step": 1}
-        """What a worker's `prime_receive_weights` returns (or raises)."""
+        """What a worker's `prime_broadcast_join` returns (or raises)."""
+        self.load_error: Exception | None = None
+        """What a worker's `prime_broadcast_load` raises (None: the weights arrive)."""
         self.cache_resets = 0
         self.loras: list = []
         """Every `add_lora` request."""
@@ -65,11 +67,17 @@ class FakeEngine:
     async def collective_rpc(self, method, args=()):
         if method == "prime_lora_modules":
             return [["o_proj", "q_proj"]]
-        if method == "prime_receive_weights":
-            self.calls.append((method, args[0]["generation"]))
+        if method == "prime_broadcast_join":
+            self.calls.append((method, args[1]["group"]))
             if isinstance(self.receive, Exception):
                 raise self.receive
             return [self.receive]
+        if method == "prime_broadcast_load":
+            self.calls.append((method,))
+            assert self.paused, "weights must only change while generation is paused"
+            if self.load_error is not None:
+                raise self.load_error
+            return [None]
         self.calls.append((method, *args))
         if args[0] in self.failing:
             raise RuntimeError(f"cannot load {args[0]}")
@@ -123,18 +131,26 @@ class FakeLoRARequest:
     load_inplace: bool = False
 
 
-def admin_app(tmp_path: Path, engine=None, api_key=None, shapes=SHAPES) -> tuple[TestClient, WeightSwapper]:
-    """Our router and gate on a bare FastAPI app, with a swapper and the adapters over a real base directory."""
+def admin_app(
+    tmp_path: Path, engine=None, api_key=None, shapes=SHAPES, broadcast: dict | None = None
+) -> tuple[TestClient, WeightSwapper]:
+    """Our router, gate and access guard on a bare FastAPI app, with a swapper and the adapters over a real base
+    directory; `broadcast`: the server's weight_broadcast settings (None: it receives no broadcasts)."""
     base = make_dir(tmp_path / "base", shapes)
     engine = engine or FakeEngine()
     app = FastAPI()
     app.include_router(router)
     app.add_middleware(WeightsUnknownGate)
+    app.add_middleware(AccessGuard)
     app.add_api_route("/health", lambda: JSONResponse({}), methods=["GET"])
     app.add_api_route("/v1/completions", lambda: JSONResponse({"ok": 1}), methods=["POST"])
     app.state.args = Namespace(api_key=[api_key] if api_key else None)
-    app.state.prime_swapper = WeightSwapper(engine, base, [tmp_path])
+    app.state.prime_tokens = server_tokens(app.state.args)
+    app.state.prime_swapper = WeightSwapper(engine, base, [tmp_path], broadcast)
     app.state.prime_adapters = Adapters(
         engine, FakeModels(), [tmp_path], app.state.prime_swapper.expected, FakeLoRARequest
     )
-    return TestClient(app), app.state.prime_swapper
+    client = TestClient(app)
+    if api_key is None and app.state.prime_tokens:  # the run secret is the token: send it like the orchestrator
+        client.headers["Authorization"] = f"Bearer {app.state.prime_tokens[0]}"
+    return client, app.state.prime_swapper

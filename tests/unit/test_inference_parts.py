@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
+from starlette.websockets import WebSocketDisconnect
 
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.inference.plugin import (
@@ -22,8 +23,10 @@ from prime_rl.inference.plugin import (
     BodyError,
     GenerateLogprobTokens,
     WeightsUnknownGate,
+    open_access_problem,
     parse_json_object,
     rewrite_sse,
+    server_tokens,
 )
 from prime_rl.inference.weights import (
     ECHO_CHARS,
@@ -34,6 +37,8 @@ from prime_rl.inference.weights import (
     safetensors_shapes,
     safetensors_specs,
 )
+from prime_rl.utils.net import free_port
+from prime_rl.utils.secret import SECRET_VAR
 
 EXPECTED = {"embed.weight": TensorSpec("F32", (10, 4)), "norm.weight": TensorSpec("F32", (4,))}
 assert {name: spec.shape for name, spec in EXPECTED.items()} == SHAPES
@@ -97,6 +102,70 @@ def test_weight_dir_tensor_stored_twice_is_refused(tmp_path):
     twice = make_dir(root / "twice", SHAPES)
     save_file({"norm.weight": torch.zeros(4)}, str(twice / "model-extra.safetensors"))
     assert status_of(twice, [root]) == 422
+
+
+def test_weight_files_must_resolve_inside_the_roots(tmp_path):
+    """The directory was checked against the roots, its files were not: a directory inside them whose safetensors
+    file links elsewhere was loaded. Now each file vLLM reads (the safetensors files, their index) is resolved and
+    checked, unopened, and the reply does not say where it leads."""
+    root = tmp_path / "run"
+    elsewhere = make_dir(tmp_path / "elsewhere", SHAPES)
+    linked = root / "linked"
+    linked.mkdir(parents=True)
+    (linked / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    e = refusal(linked, [root])
+    assert e.status == 403 and "model.safetensors resolves outside the allowed roots" in e.message
+    assert "elsewhere" not in e.message
+    # The index vLLM reads to choose the files is a file it reads too.
+    indexed = make_dir(root / "indexed", SHAPES)
+    (elsewhere / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model.safetensors"}}))
+    (indexed / "model.safetensors.index.json").symlink_to(elsewhere / "model.safetensors.index.json")
+    assert status_of(indexed, [root]) == 403
+    # Links that stay inside the roots are fine (a hub-cache layout).
+    blobs = make_dir(root / "blobs", SHAPES)
+    cached = root / "snapshot"
+    cached.mkdir()
+    (cached / "model.safetensors").symlink_to("../blobs/model.safetensors")
+    assert check_weight_dir(str(cached), [root], EXPECTED) == cached.resolve()
+    assert blobs.exists()
+    # A dangling link or a FIFO named like a weights file: refused, without blocking on the FIFO.
+    odd = root / "odd"
+    odd.mkdir()
+    (odd / "model.safetensors").symlink_to(root / "missing.safetensors")
+    assert "model.safetensors is not a readable file" in refusal(odd, [root]).message
+    (odd / "model.safetensors").unlink()
+    os.mkfifo(odd / "model.safetensors")
+    assert status_of(odd, [root]) == 422
+    # The served model's own directory is not checked against the roots.
+    assert safetensors_specs(linked) == EXPECTED
+
+
+def test_weight_dir_files_are_the_ones_vllm_loads(tmp_path):
+    """vLLM globs `*.safetensors` (no dot-files) and keeps those its index names: checking other files than it loads
+    let a directory of only `.hidden.safetensors` pass, after which vLLM fell back to reading `*.bin` files."""
+    root = tmp_path / "run"
+    hidden = root / "hidden"
+    hidden.mkdir(parents=True)
+    save_file({k: torch.zeros(v) for k, v in SHAPES.items()}, str(hidden / ".model.safetensors"))
+    (hidden / "pytorch_model.bin").write_bytes(b"not checked")
+    assert "holds no *.safetensors files" in refusal(hidden, [root]).message
+    # An index: only the files it names are loaded (and checked); one it names that is missing fails vLLM's load.
+    indexed = make_dir(root / "indexed", SHAPES)
+    save_file({"other": torch.zeros(3)}, str(indexed / "stale.safetensors"))
+    index = indexed / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {name: "model.safetensors" for name in SHAPES}}))
+    assert check_weight_dir(str(indexed), [root], EXPECTED) == indexed.resolve()
+    index.write_text(
+        json.dumps({"weight_map": {"embed.weight": "model.safetensors", "norm.weight": "gone.safetensors"}})
+    )
+    assert "names files it does not hold: gone.safetensors" in refusal(indexed, [root]).message
+    for bad in ("{not json", "[]", '{"weight_map": {"a": 1}}'):
+        index.write_text(bad)
+        assert status_of(indexed, [root]) == 422
+    # Mistral's layout: vLLM loads only the consolidated file when there is one.
+    mistral = make_dir(root / "mistral", SHAPES)
+    save_file({k: torch.zeros(v) for k, v in SHAPES.items()}, str(mistral / "consolidated.safetensors"))
+    assert check_weight_dir(str(mistral), [root], EXPECTED) == mistral.resolve()  # not "stored twice"
 
 
 def test_unusable_paths_get_400_and_replies_stay_short(tmp_path):
@@ -187,6 +256,78 @@ def test_admin_key_is_checked_before_the_body(tmp_path):
     assert client.post("/reload_weights", headers={"Authorization": "Bearer k"}).status_code == 200
 
 
+def test_the_access_guard_closes_every_route_but_the_public_ones(tmp_path):
+    """Routes nobody listed (vLLM's /invocations, /tokenize, /metrics, ... and any route a later vLLM adds) need the
+    token like ours; only /health, /ping and /version answer without it."""
+    client, _ = admin_app(tmp_path, api_key="k")
+    app = client.app
+    for path in ("/invocations", "/tokenize", "/metrics", "/some/future/route", "/ping", "/version"):
+        app.add_api_route(path, lambda: JSONResponse({"served": True}), methods=["GET", "POST"])
+    for path in ("/invocations", "/tokenize", "/metrics", "/some/future/route", "/v1/completions", "/weights"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k"}, {"Authorization": "Basic k"}):
+            r = client.post(path, headers=headers) if path != "/weights" else client.get(path, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, (path, headers, r.text)
+        r = (
+            client.post(path, headers={"Authorization": "Bearer k"})
+            if path != "/weights"
+            else client.get(path, headers={"Authorization": "Bearer k"})
+        )
+        assert r.status_code == 200, (path, r.text)
+    for path in ("/health", "/ping", "/version"):
+        assert client.get(path).status_code == 200, path
+    with pytest.raises(WebSocketDisconnect) as closed:  # a websocket without the token is closed before it opens
+        with client.websocket_connect("/v1/realtime"):
+            pass
+    assert closed.value.code == 1008
+
+
+def test_the_server_token_is_its_api_key_else_the_run_secret(monkeypatch):
+    from argparse import Namespace
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv(SECRET_VAR, raising=False)
+    assert server_tokens(Namespace(api_key=None)) == []
+    monkeypatch.setenv(SECRET_VAR, "s" * 32)
+    assert server_tokens(Namespace(api_key=None)) == ["s" * 32]
+    assert server_tokens(Namespace(api_key=["k1", "k2"])) == ["k1", "k2"]  # the API key wins: one rule
+    monkeypatch.setenv(SECRET_VAR, "short")
+    with pytest.raises(ValueError, match="at least 16"):
+        server_tokens(Namespace(api_key=None))
+
+
+@pytest.mark.parametrize(
+    ("host", "tokens", "allowed", "refused"),
+    [
+        ("127.0.0.1", [], False, False),
+        ("localhost", [], False, False),
+        ("::1", [], False, False),
+        ("0.0.0.0", [], False, True),
+        ("", [], False, True),  # vLLM's default: every interface
+        ("10.1.2.3", [], False, True),
+        ("my-host", [], False, True),
+        ("0.0.0.0", ["k"], False, False),
+        ("0.0.0.0", [], True, False),  # said explicitly
+    ],
+)
+def test_a_server_beyond_loopback_refuses_to_start_without_a_token_unless_told(host, tokens, allowed, refused):
+    problem = open_access_problem(host, tokens, allowed)
+    assert (problem is not None) == refused
+    if refused:
+        assert "--server.allow-unauthenticated" in problem and "PRIME_RL_SECRET" in problem
+
+
+def test_a_directory_name_that_is_no_valid_version_label_needs_an_explicit_one(tmp_path):
+    """The label of a swap is written to the log and echoed per token: a newline in it forged a log line."""
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    odd = make_dir(tmp_path / "step 1\nINFO forged", SHAPES)
+    r = client.post("/update_weights", json={"weight_dir": str(odd)})
+    assert r.status_code == 422 and 'give a "version"' in r.json()["error"]["message"], r.text
+    assert engine.calls == []
+    r = client.post("/update_weights", json={"weight_dir": str(odd), "version": "step_1"})
+    assert r.status_code == 200 and swapper.version == "step_1"
+
+
 def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_path):
     base_ok = tmp_path / "base"
     engine = FakeEngine()
@@ -225,57 +366,90 @@ def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_pat
     assert not engine.paused and swapper.unknown is None
 
 
-BROADCAST = {
-    "host": "127.0.0.1", "port": 29501, "session": "ab12", "generation": 1, "rank": 1, "world_size": 2,
-    "backend": "gloo", "timeout": 60,
-}  # fmt: skip
+BROADCAST = {"session": "ab" * 16, "group": "cd" * 16, "rank": 1, "world_size": 2}
 
 
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
         ({"weight_dir": "/x", "broadcast": BROADCAST}, "exactly one of weight_dir and broadcast"),
-        ({"broadcast": {**BROADCAST, "rank": 2}}, "ranks 2..2 of this server's 1 worker(s) exceed world_size"),
         ({"broadcast": {**BROADCAST, "session": "../x"}}, "broadcast.session"),
-        ({"broadcast": {**BROADCAST, "backend": "mpi"}}, "broadcast.backend"),
+        ({"broadcast": {**BROADCAST, "group": "AB" * 16}}, "broadcast.group"),
         ({"broadcast": {**BROADCAST, "rank": 0}}, "broadcast.rank"),  # rank 0 is the trainer's
-        ({"broadcast": {**BROADCAST, "extra": 1}}, "broadcast.extra"),
+        ({"broadcast": {**BROADCAST, "rank": 10**30, "world_size": 10**30}}, "broadcast.rank"),  # was a 500
+        ({"broadcast": {**BROADCAST, "world_size": 2**62}}, "broadcast.world_size"),
+        ({"broadcast": {**BROADCAST, "rank": "1"}}, "broadcast.rank"),
+        # An address, a backend or a timeout is the server's own configuration, never the caller's: one admin call
+        # made the server open connections to any address (a port scanner).
+        ({"broadcast": {**BROADCAST, "host": "10.0.0.1", "port": 22}}, "broadcast.host"),
+        ({"broadcast": {**BROADCAST, "backend": "gloo"}}, "broadcast.backend"),
+        ({"broadcast": {**BROADCAST, "timeout": 5}}, "broadcast.timeout"),
+        ({"broadcast": BROADCAST, "version": "step_1\nINFO fake log line"}, "version"),
+        ({"broadcast": BROADCAST, "version": "x" * 129}, "version"),
     ],
 )
-def test_bad_broadcast_requests_get_422_and_touch_nothing(tmp_path, body, needle):
+def test_bad_broadcast_requests_get_422_and_touch_nothing(tmp_path, trainer_store, body, needle):
     engine = FakeEngine()
-    client, swapper = admin_app(tmp_path, engine)
+    client, swapper = admin_app(tmp_path, engine, broadcast=trainer_store.settings)
     r = client.post("/update_weights", json=body)
     assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
     assert engine.calls == [] and swapper.version == "base" and not engine.paused
 
 
-def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_broadcast(tmp_path):
+def test_a_broadcast_checks_the_server_setup_the_ranks_and_the_trainer_session_before_anything(tmp_path, trainer_store):
+    """Nothing reaches the engine (no pause, no worker call) for a request that cannot succeed: 409 on a server not
+    set up for broadcasts or for another trainer's session, 422 for ranks beyond world_size, 502 when the trainer's
+    store does not answer or does not hold our run secret."""
     engine = FakeEngine()
-    client, swapper = admin_app(tmp_path, engine)
+    spec = {**BROADCAST, "session": trainer_store.session}
+    client, _ = admin_app(tmp_path / "a", engine)  # no weight_broadcast settings
+    r = client.post("/update_weights", json={"broadcast": spec})
+    assert r.status_code == 409 and "receives no weight broadcasts" in r.json()["error"]["message"]
+    client, _ = admin_app(tmp_path / "b", engine, broadcast=trainer_store.settings)
+    r = client.post("/update_weights", json={"broadcast": {**spec, "rank": 2}})
+    assert r.status_code == 422 and "ranks 2..2 of this server's 1 worker(s) exceed world_size" in r.text
+    r = client.post("/update_weights", json={"broadcast": {**spec, "session": "ef" * 16}})
+    assert r.status_code == 409 and "stale" in r.json()["error"]["message"]
+    closed = {**trainer_store.settings, "port": free_port()}
+    client, _ = admin_app(tmp_path / "c", engine, broadcast=closed)
+    r = client.post("/update_weights", json={"broadcast": spec})
+    assert r.status_code == 502 and "did not answer" in r.json()["error"]["message"]
+    os.environ[SECRET_VAR] = "another-secret-" + "0" * 20  # monkeypatched by the fixture: restored after the test
+    client, _ = admin_app(tmp_path / "d", engine, broadcast=trainer_store.settings)
+    r = client.post("/update_weights", json={"broadcast": spec})
+    assert r.status_code == 502 and "run secret differs" in r.json()["error"]["message"]
+    assert engine.calls == [] and not engine.paused
+
+
+def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_broadcast(tmp_path, trainer_store):
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine, broadcast=trainer_store.settings)
     base = {"version": "base", "source": str(swapper.base_dir), "workers": 1, "adapters": {}}
     assert client.get("/weights").json() == base
+    spec = {**BROADCAST, "session": trainer_store.session}
 
-    # Received: labelled with the header's step, its source is the broadcast.
+    # Received: labelled with the header's step, its source is the broadcast; joined unpaused, loaded paused.
     engine.receive = {"step": 3}
-    r = client.post("/update_weights", json={"broadcast": BROADCAST})
+    r = client.post("/update_weights", json={"broadcast": spec})
     assert r.status_code == 200 and r.json()["version"] == "step_3" and r.json()["step"] == 3, r.text
     assert client.get("/weights").json() == {**base, "version": "step_3", "source": "broadcast"}
+    assert [c[0] for c in engine.calls[-3:]] == ["prime_broadcast_join", "prime_broadcast_load", "version"]
 
-    # Refused (a header that does not fit) or failed before any weight changed: still step_3, serving, no restore.
+    # Refused (a header that does not fit) or failed before any weight changed: nothing paused, still step_3.
+    calls = len(engine.calls)
     engine.receive = {"refused": "the broadcast lacks tensors of the served model: x"}
-    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 2}})
+    r = client.post("/update_weights", json={"broadcast": {**spec, "group": "12" * 16}})
     assert r.status_code == 422 and "lacks tensors" in r.json()["error"]["message"]
     engine.receive = {"not_started": "TimeoutError: a member never joined"}
-    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 3}})
-    assert r.status_code == 500 and "before any weight changed" in r.json()["error"]["message"]
+    r = client.post("/update_weights", json={"broadcast": {**spec, "group": "34" * 16}})
+    assert r.status_code == 502 and "before any weight changed" in r.json()["error"]["message"]
     assert "still serving step_3" in r.json()["error"]["message"]
-    assert [c[0] for c in engine.calls[-2:]] == ["prime_receive_weights"] * 2  # no restore attempted
+    assert [c[0] for c in engine.calls[calls:]] == ["prime_broadcast_join"] * 2  # no load, no restore
     assert client.get("/health").status_code == 200 and not engine.paused
 
     # Failed mid-transfer: step_3 came by broadcast and cannot be read again, so nothing is served until a load.
-    engine.receive = RuntimeError("Connection reset by peer")
-    r = client.post("/update_weights", json={"broadcast": {**BROADCAST, "generation": 4}})
+    engine.receive, engine.load_error = {"step": 4}, RuntimeError("Connection reset by peer")
+    r = client.post("/update_weights", json={"broadcast": {**spec, "group": "56" * 16}})
     assert r.status_code == 503 and "came by broadcast and cannot be read again" in r.json()["error"]["message"]
     assert client.get("/health").json()["status"] == "weights_unknown" and engine.paused
     assert client.get("/weights").json()["source"] is None

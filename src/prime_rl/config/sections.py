@@ -73,14 +73,17 @@ class WeightBroadcastConfig(BaseConfig):
     GPUs; gloo over TCP from host memory, any device); only checkpoint steps and the last step are still written."""
 
     host: str = "127.0.0.1"
-    """Address of trainer rank 0 as the servers and the orchestrator reach it (its rendezvous store listens there)."""
+    """Address of trainer rank 0 as the servers and the orchestrator reach it; its store listens on this address only
+    (authenticated by the run secret, `PRIME_RL_SECRET`)."""
 
     port: int | None = Field(None, ge=1, le=65535)
     """Port of that store. None: `rl` picks a free one on one host, `deployment.master_port + 1` on several; set it
     when trainer and orchestrator start without `rl`."""
 
-    timeout: float = Field(120.0, gt=0)
-    """Seconds each part of a transfer may take (a member joining, one layer's broadcast) before it fails."""
+    timeout: float = Field(120.0, gt=0, le=300)
+    """Seconds starting a transfer (members joining, the header) and each layer's broadcast may take before the
+    transfer fails. At most 300: the other trainer ranks wait for rank 0 in a collective meanwhile, and NCCL's own
+    collective timeout is 600 s."""
 
     @property
     def in_memory(self) -> bool:

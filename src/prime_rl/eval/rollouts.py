@@ -30,6 +30,7 @@ from prime_rl.orchestrator.worker import RolloutResult, RunGroup, Worker, cache_
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.secret import SECRET_VAR
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -156,7 +157,8 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     launch_dir = config.output_dir / "configs" / name
     cfg = launch_dir / "inference.toml"
     write_atomic(cfg, to_toml(inference).encode())
-    env = dict(os.environ)
+    # This server takes part in no run's weight transfer: a run secret in our environment would only become its token.
+    env = {k: v for k, v in os.environ.items() if k != SECRET_VAR}
     if inference.server.api_key is not None:
         env["PRIME_SERVER__API_KEY"] = inference.server.api_key.get_secret_value()
         env[config.client.api_key_var] = inference.server.api_key.get_secret_value()

@@ -1,9 +1,13 @@
 """LoRA adapters on the server: the checks of an adapter directory, and loading, replacing and unloading adapters.
 
 An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`, tensors
-`base_model.model.<layer>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]). The checks read the config and the
-safetensors header only, so a bad adapter is refused (422) before the engine sees it: vLLM itself checks neither
-tensor shapes against the model nor, before loading, whether the model has the layers.
+`base_model.model.<layer>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r] for a linear layer's weight [out, in]).
+An input embedding's weight is [vocab, dim] and its LoRA the other way round: A [r, vocab], B [dim, r] (PEFT names them
+`<layer>.lora_embedding_A` / `_B`, and saves the embedding's own weight next to them as `<layer>.base_layer.weight`,
+which vLLM ignores). The checks read the config and the safetensors header only, so a bad adapter is refused (422)
+before the engine sees it: vLLM itself checks neither tensor shapes against the model nor, before loading, whether
+the model has the layers. Both files must resolve inside the allowed roots, as the directory must (403; see
+`weights.open_in_roots`, and the module docstring of `weights` for the race left between the check and vLLM's read).
 
 Loading a name that is already loaded replaces the adapter in place (same vLLM adapter id): requests sent afterwards
 get the new weights, requests in flight continue on them. The prefix cache is keyed by (name, path), so a new path
@@ -14,7 +18,6 @@ may hold KV of later adapters, computed for requests that were in flight across 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ from prime_rl.inference.weights import (
     clip,
     file_specs,
     names,
+    open_in_roots,
+    read_json,
 )
 
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -36,7 +41,17 @@ ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+LORA_SUFFIXES = {
+    ".lora_A.weight": "lora_A",
+    ".lora_B.weight": "lora_B",
+    ".lora_embedding_A": "lora_A",  # PEFT's names for an embedding's; vLLM loads them as lora_A / lora_B
+    ".lora_embedding_B": "lora_B",
+}
+INPUT_EMBEDDINGS = frozenset({"embed_tokens", "wte"})
+"""Layer names vLLM's models give their input embedding (`embedding_modules`' "input_embeddings"): their LoRA is
+shaped A [r, vocab], B [dim, r]. (The output embedding, `lm_head`, takes a linear layer's: A [r, dim], B [vocab, r].)"""
+EMBEDDING_COPIES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
+"""Tensors PEFT saves with an embedding adapter (the embedding's own weight) and vLLM skips when loading it."""
 UNSUPPORTED_FEATURES = ("use_dora", "lora_bias", "modules_to_save", "layer_replication", "alora_invocation_tokens")
 """PEFT config keys that change what the adapter computes and that vLLM does not implement (a true value: refused)."""
 
@@ -56,39 +71,36 @@ def check_adapter_dir(
     """Validate a `/load_lora_adapter` target against the served model; returns its resolved path.
 
     `base`: the served model's tensors; `max_rank`: the server's `max_lora_rank`; `modules`: the layer names vLLM
-    applies LoRA to in this model (None: not known, not checked). Raises `WeightDirError` (400/403/404 for the path,
-    422 for the contents)."""
+    applies LoRA to in this model (None: not known, not checked). Raises `WeightDirError` (400/403/404 for the path
+    or a file resolving outside the roots, 422 for the contents)."""
     path = checked_dir(lora_path, roots, "lora_path")
-    shown = clip(lora_path)
-    config = read_adapter_config(path / ADAPTER_CONFIG, shown)
+    shown = f"lora_path {clip(lora_path)}"
+    with open_in_roots(path / ADAPTER_CONFIG, roots, shown) as file:
+        if file is None:
+            raise WeightDirError(422, f"{shown} has no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+        config = read_adapter_config(read_json(file, shown, ADAPTER_CONFIG), shown)
     rank = config_rank(config, max_rank)
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise WeightDirError(422, f"lora_path {shown} has no {ADAPTER_WEIGHTS}")
-    problem = tensor_problem(
-        file_specs(weights), base, max_rank, modules, rank if not config.get("rank_pattern") else None
-    )
+    with open_in_roots(path / ADAPTER_WEIGHTS, roots, shown) as file:
+        if file is None:
+            raise WeightDirError(422, f"{shown} has no {ADAPTER_WEIGHTS}")
+        specs = file_specs(file, f"{shown}: {ADAPTER_WEIGHTS}")
+    problem = tensor_problem(specs, base, max_rank, modules, rank if not config.get("rank_pattern") else None)
     if problem is not None:
-        raise WeightDirError(422, f"lora_path {shown}: {problem}")
+        raise WeightDirError(422, f"{shown}: {problem}")
     return path
 
 
-def read_adapter_config(file: Path, shown: str) -> dict:
-    if not file.is_file():
-        raise WeightDirError(422, f"lora_path {shown} has no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
-    try:
-        config = json.loads(file.read_bytes())
-    except (ValueError, RecursionError, OSError) as e:
-        raise WeightDirError(422, f"lora_path {shown}: {ADAPTER_CONFIG} is not readable JSON ({clip(e)})") from None
+def read_adapter_config(config: object, shown: str) -> dict:
+    """The parsed `adapter_config.json`, if vLLM can serve an adapter of it (else 422)."""
     if not isinstance(config, dict):
-        raise WeightDirError(422, f"lora_path {shown}: {ADAPTER_CONFIG} is not a JSON object")
+        raise WeightDirError(422, f"{shown}: {ADAPTER_CONFIG} is not a JSON object")
     if config.get("peft_type") != "LORA":
-        raise WeightDirError(422, f"lora_path {shown}: peft_type is {clip(config.get('peft_type'))!r}, not 'LORA'")
+        raise WeightDirError(422, f"{shown}: peft_type is {clip(config.get('peft_type'))!r}, not 'LORA'")
     unsupported = [key for key in UNSUPPORTED_FEATURES if config.get(key)]
     if config.get("bias", "none") != "none":
         unsupported.append(f"bias={clip(config['bias'])!r}")
     if unsupported:
-        raise WeightDirError(422, f"lora_path {shown}: vLLM does not support the adapter's {', '.join(unsupported)}")
+        raise WeightDirError(422, f"{shown}: vLLM does not support the adapter's {', '.join(unsupported)}")
     return config
 
 
@@ -118,27 +130,43 @@ def tensor_problem(
     if not specs:
         return f"{ADAPTER_WEIGHTS} holds no tensors"
     pairs: dict[str, dict[str, TensorSpec]] = {}
-    strange = []
+    copies: dict[str, TensorSpec] = {}
+    strange, twice, misnamed = [], [], []
     for name, spec in specs.items():
+        if name.startswith(PEFT_PREFIX) and name.endswith(EMBEDDING_COPIES):
+            copies[name[len(PEFT_PREFIX) : -len(".base_layer.weight")]] = spec
+            continue
         suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
         if not name.startswith(PEFT_PREFIX) or suffix is None:
             strange.append(name)
             continue
-        layer = name[len(PEFT_PREFIX) : -len(suffix)]
-        pairs.setdefault(layer, {})[suffix.split(".")[1]] = spec
+        layer, half = name[len(PEFT_PREFIX) : -len(suffix)], LORA_SUFFIXES[suffix]
+        if half in pairs.setdefault(layer, {}):
+            twice.append(f"{layer}.{half}")
+        if "embedding" in suffix and not is_input_embedding(layer):
+            misnamed.append(name)
+        pairs[layer][half] = spec
     if strange:
         return (
-            f"tensors that are not `{PEFT_PREFIX}<layer>.lora_A/lora_B.weight` (embedding LoRA, biases and "
-            f"modules_to_save are not supported): {names(sorted(strange))}"
+            f"tensors that are not `{PEFT_PREFIX}<layer>.lora_A/lora_B.weight` (or an embedding's lora_embedding_A/B; "
+            f"biases and modules_to_save are not supported): {names(sorted(strange))}"
         )
-    missing = sorted(layer for layer in pairs if f"{layer}.weight" not in base)
+    if twice:
+        return f"tensors given twice (as lora_A/B.weight and as lora_embedding_A/B): {names(sorted(twice))}"
+    if misnamed:
+        return f"lora_embedding_A/B are an input embedding's ({', '.join(sorted(INPUT_EMBEDDINGS))}): {names(misnamed)}"
+    missing = sorted(layer for layer in {*pairs, *copies} if f"{layer}.weight" not in base)
     if missing:
         return f"the served model has no layer {names(missing)}"
     if modules is not None:
         refused = sorted(layer for layer in pairs if layer.rsplit(".", 1)[-1] not in modules)
         if refused:
             return f"vLLM applies LoRA only to {', '.join(sorted(modules))} in this model, not to {names(refused)}"
-    wrong = []
+    wrong = [  # vLLM skips an adapter's copy of an embedding: one that differs in shape (a resized vocabulary) is lost
+        f"{layer}.base_layer.weight {spec.shape} is not the served {base[f'{layer}.weight'].shape} (a resized vocabulary)"
+        for layer, spec in sorted(copies.items())
+        if spec.shape != base[f"{layer}.weight"].shape
+    ]
     for layer, pair in sorted(pairs.items()):
         if set(pair) != {"lora_A", "lora_B"}:
             wrong.append(f"{layer}: lora_A and lora_B must both be given")
@@ -147,7 +175,9 @@ def tensor_problem(
         if len(weight.shape) != 2:
             wrong.append(f"{layer}: its weight has shape {weight.shape}, not [out, in]")
             continue
-        out, inner = weight.shape
+        embedding = is_input_embedding(layer)
+        # vLLM computes x W^T + x A^T B^T for a linear weight W [out, in]; an embedding looks up row t of A^T, B A.
+        inner, out = weight.shape if embedding else reversed(weight.shape)
         if (
             len(a.shape) != 2
             or len(b.shape) != 2
@@ -155,14 +185,22 @@ def tensor_problem(
             or b.shape[0] != out
             or a.shape[0] != b.shape[1]
         ):
-            wrong.append(f"{layer}: lora_A {a.shape}, lora_B {b.shape} do not fit its weight [{out}, {inner}]")
+            kind = "embedding" if embedding else "weight"
+            wrong.append(
+                f"{layer}: lora_A {a.shape}, lora_B {b.shape} do not fit its {kind} {list(weight.shape)}: "
+                f"A [r, {inner}], B [{out}, r]"
+            )
         elif a.shape[0] > max_rank or (rank is not None and a.shape[0] != rank):
             wrong.append(f"{layer}: rank {a.shape[0]} (adapter_config r {rank}, server max_lora_rank {max_rank})")
         elif a.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:
             wrong.append(f"{layer}: dtypes {a.dtype}, {b.dtype} are not floats")
     if wrong:
-        return f"tensors that do not fit the served model: {names(wrong)}"
+        return f"tensors that do not fit the served model: {names(wrong, limit=160)}"
     return None
+
+
+def is_input_embedding(layer: str) -> bool:
+    return layer.rsplit(".", 1)[-1] in INPUT_EMBEDDINGS
 
 
 class Adapters:

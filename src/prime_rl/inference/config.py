@@ -3,12 +3,14 @@
 Anything vLLM accepts that is not here can be passed on the command line as is (`--max-num-seqs 8`).
 """
 
+from __future__ import annotations
+
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from prime_rl.config import BaseConfig, EntrypointConfig, ServedModelConfig
+from prime_rl.config import BaseConfig, EntrypointConfig, ServedModelConfig, WeightBroadcastConfig
 
 
 class InferenceModelConfig(ServedModelConfig):
@@ -32,7 +34,12 @@ class ServerConfig(BaseConfig):
     """TCP port."""
 
     api_key: SecretStr | None = None
-    """If set, every /v1, /inference and admin route needs `Authorization: Bearer <key>`."""
+    """If set, every route but /health, /ping and /version needs `Authorization: Bearer <key>`; unset, the run
+    secret (`PRIME_RL_SECRET`) is the token when there is one."""
+
+    allow_unauthenticated: bool = False
+    """Serve on a non-loopback `host` with no API key and no run secret (anyone reaching the port may swap the
+    weights); without it such a server refuses to start."""
 
 
 class ParallelConfig(BaseConfig):
@@ -86,6 +93,16 @@ class InferenceConfig(EntrypointConfig):
 
     allowed_weight_roots: list[Path] | None = None
     """Directories `/update_weights` may load from; default: `output_dir`."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """Where the trainer's weight-broadcast store is (`type` gloo/nccl, `host`, `port`; `rl` shares its own): a
+    `/update_weights` broadcast request names only the transfer, never an address."""
+
+    @model_validator(mode="after")
+    def _broadcast_port(self) -> InferenceConfig:
+        if self.weight_broadcast.in_memory:
+            self.weight_broadcast.require_port()
+        return self
 
     @property
     def weight_roots(self) -> list[Path]:

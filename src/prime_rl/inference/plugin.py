@@ -10,22 +10,23 @@ it). Routes:
                                                             -> {"status", "lora_name", "version", "seconds"}
   POST /unload_lora_adapter {"lora_name": str}              -> {"status", "lora_name"}
   GET  /weights                                             -> {"version", "source", "workers", "adapters"}
-All need the server's API key when one is configured. Status codes: see README "Swapping weights by hand" and
-"LoRA adapters".
+Every route but `/health`, `/ping` and `/version` (ours and vLLM's, present and future) needs the server's token
+(`AccessGuard`): its API key, or without one the run secret. Status codes: see README "Swapping weights by hand" and
+"LoRA adapters"; the security model: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import ipaddress
 import json
 import os
-import secrets
+import re
 import time
 from argparse import Namespace
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -34,13 +35,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from prime_rl.inference.adapters import ADAPTER_NAME_PATTERN, AdapterError, Adapters
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
+from prime_rl.utils.secret import SecretError, require_secret, run_secret, token_matches
+from prime_rl.weight_broadcast.protocol import MAX_MEMBERS, read_session
+from prime_rl.weight_broadcast.store import StoreAuthError, StoreClient, StoreError
 
 BASE_VERSION = "base"
 GENERATE_PATH = "/inference/v1/generate"
 MAX_BODY_BYTES = 1 << 20
 """Admin request bodies above 1 MiB are refused (413) before they are parsed."""
-MAX_VERSION_CHARS = 256
-"""A version label is echoed in every generate reply, so it is bounded."""
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"
+"""Version labels: echoed in every generate reply and written to the log, so short and of plain characters only."""
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+"""The only routes that answer without the server's token: a route vLLM adds later is closed until listed here."""
 WEIGHTS_UNKNOWN = "weights_unknown"
 """`/health` status, and the engine's weight-version label, while a failed load could not be undone (`WeightSwapper`)."""
 RESERVED_VERSION = f"version {WEIGHTS_UNKNOWN!r} is reserved for weights a failed load left unknown"
@@ -48,26 +54,19 @@ GATED_PREFIXES = ("/v1/", "/inference/")
 
 
 class BroadcastSpec(BaseModel):
-    """Where and as whom to receive a weight broadcast (see `prime_rl.weight_broadcast`); the orchestrator sends it."""
+    """Which transfer to receive and as whom (see `prime_rl.weight_broadcast.protocol`); the orchestrator sends it.
+    Where the trainer's store is, and the backend, are the server's own configuration, never a request's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "1" or true is no rank
 
-    host: str = Field(max_length=255)
-    """Address of trainer rank 0's rendezvous store."""
-    port: int = Field(ge=1, le=65535)
-    """Port of that store."""
-    session: str = Field(pattern=r"^[0-9a-f]{1,64}$")
-    """The trainer process's session id (from its store)."""
-    generation: int = Field(ge=1)
-    """Which group of the session: a new one whenever the set of servers changes."""
-    rank: int = Field(ge=1)
+    session: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """The trainer process's session id, as its store names it (a request for an earlier trainer is refused)."""
+    group: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """The transfer group's id (the orchestrator makes a new one whenever the receiving servers change)."""
+    rank: int = Field(ge=1, lt=MAX_MEMBERS)
     """Group rank of this server's first worker (the trainer is rank 0)."""
-    world_size: int = Field(ge=2)
+    world_size: int = Field(ge=2, le=MAX_MEMBERS)
     """Members of the group: the trainer and every worker of every receiving server."""
-    backend: Literal["gloo", "nccl"]
-    """torch.distributed backend of the group."""
-    timeout: float = Field(gt=0, le=3600)
-    """Seconds each part of the transfer may take."""
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -77,7 +76,7 @@ class UpdateWeightsRequest(BaseModel):
     """Absolute path of a directory of HF safetensors with the served model's tensor names, shapes and dtypes."""
     broadcast: BroadcastSpec | None = None
     """Receive the weights from the trainer's broadcast instead of a directory."""
-    version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
+    version: str | None = Field(None, pattern=VERSION_PATTERN)
     """Policy version reported per token by /inference/v1/generate; default: the directory's name, or `step_<n>` for
     a broadcast of step n."""
 
@@ -106,7 +105,7 @@ class LoadAdapterRequest(BaseModel):
     """The name requests give as `model` to use the adapter; loading a loaded name replaces its adapter."""
     lora_path: str
     """Absolute path of a PEFT adapter directory under the allowed roots."""
-    version: str | None = Field(None, max_length=MAX_VERSION_CHARS)
+    version: str | None = Field(None, pattern=VERSION_PATTERN)
     """Label of this adapter's weights in `GET /weights`; default: the directory's name."""
 
 
@@ -141,10 +140,12 @@ class WeightSwapper:
     load succeeds, and requests in flight continue on the next weights that load.
     """
 
-    def __init__(self, engine_client: Any, base_dir: Path, roots: list[Path]):
+    def __init__(self, engine_client: Any, base_dir: Path, roots: list[Path], broadcast: dict | None = None):
         self.engine = engine_client
         self.base_dir = base_dir
         self.roots = roots
+        self.broadcast = broadcast
+        """The server's `weight_broadcast` settings (type, host, port, timeout); None: it receives no broadcasts."""
         self.expected = safetensors_specs(base_dir)
         self.current_dir: Path | None = base_dir
         """Where the served weights can be read again; None when they came by broadcast."""
@@ -160,50 +161,59 @@ class WeightSwapper:
             await self._read(weight_dir)
             return weight_dir, version
 
-        return (await self._swap(load))[0]
+        async with self.lock:
+            return (await self._swap(load))[0]
 
     async def _read(self, weight_dir: Path) -> None:
         """Every worker reloads its weights in place from `weight_dir`."""
         await self.engine.collective_rpc("prime_load_weights", args=(str(weight_dir),))
 
     async def receive(self, spec: BroadcastSpec, version: str | None) -> tuple[float, str]:
-        """Receive the trainer's broadcast; returns the seconds it took and the version now served."""
-        expected = {name: [s.dtype, list(s.shape)] for name, s in self.expected.items()}
+        """Receive the trainer's broadcast; returns the seconds it took and the version now served.
 
-        async def load() -> tuple[Path | None, str]:
-            results = await self.engine.collective_rpc("prime_receive_weights", args=(spec.model_dump(), expected))
+        Joining the group and checking the header happen while generation goes on; only the reload itself is paused,
+        so a trainer that stalls before sending weights never pauses generation (every wait is bounded anyway)."""
+        expected = {name: [s.dtype, list(s.shape)] for name, s in self.expected.items()}
+        async with self.lock:
+            start = time.perf_counter()
+            results = await self.engine.collective_rpc(
+                "prime_broadcast_join", args=(self.broadcast, spec.model_dump(), expected)
+            )
             for result in results:
                 if "refused" in result:
                     raise BroadcastRefused(result["refused"])
                 if "not_started" in result:
                     raise BroadcastNotStarted(result["not_started"])
-            return None, version or f"step_{results[0]['step']}"
+            version = version or f"step_{results[0]['step']}"
 
-        return await self._swap(load)
+            async def load() -> tuple[Path | None, str]:
+                await self.engine.collective_rpc("prime_broadcast_load")
+                return None, version
+
+            _, version = await self._swap(load)
+            return time.perf_counter() - start, version
 
     async def _swap(self, load: Callable[[], Awaitable[tuple[Path | None, str]]]) -> tuple[float, str]:
-        async with self.lock:
-            start = time.perf_counter()
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+        """Pause, load, label, resume (the caller holds `lock`)."""
+        start = time.perf_counter()
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
             try:
-                try:
-                    source, version = await load()
-                    await self.engine.update_weight_version(version)
-                except (BroadcastRefused, BroadcastNotStarted):
-                    raise  # no weight changed
-                except Exception as e:
-                    logger.exception("loading weights failed")
-                    await self._restore(e)
-                    raise
-                finally:
-                    await self.engine.reset_prefix_cache(reset_running_requests=True)
-                self.current_dir, self.version, self.unknown = source, version, None
+                source, version = await load()
+                await self.engine.update_weight_version(version)
+            except Exception as e:
+                logger.exception("loading weights failed")
+                await self._restore(e)
+                raise
             finally:
-                if self.unknown is None:
-                    await self.engine.resume_generation()
-            seconds = time.perf_counter() - start
-            logger.info(f"serving weights {version} from {source or 'a broadcast'} (swap took {seconds:.3f}s)")
-            return seconds, version
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.current_dir, self.version, self.unknown = source, version, None
+        finally:
+            if self.unknown is None:
+                await self.engine.resume_generation()
+        seconds = time.perf_counter() - start
+        logger.info(f"serving weights {version} from {source or 'a broadcast'} (swap took {seconds:.3f}s)")
+        return seconds, version
 
     async def _restore(self, load_error: Exception) -> None:
         """Reload the last good weights after a failed load; raises `WeightsUnknownError` if that is impossible."""
@@ -229,17 +239,64 @@ def _error(code: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=code, content={**extra, "error": {"message": clip(message, 2000), "code": code}})
 
 
-def _authorized(request: Request) -> bool:
-    """Admin routes sit outside vLLM's guarded prefixes (/v1, /inference), so check the key here."""
-    args = request.app.state.args
+def server_tokens(args: Namespace) -> list[str]:
+    """The bearer tokens this server accepts: its API key(s) (`--api-key`, `VLLM_API_KEY`), or without one the run
+    secret; empty: it is open (allowed only on loopback, or when its operator said so: `open_access_problem`)."""
     keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
-    if not keys:
+    if keys:
+        return keys
+    secret = run_secret()
+    return [secret] if secret else []
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
         return True
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    digest = hashlib.sha256(token.encode()).digest()
-    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname, or "" / "0.0.0.0" / "::": reachable from other machines
+
+
+def open_access_problem(host: str, tokens: list[str], allow_unauthenticated: bool) -> str | None:
+    """Why a server must not start this way: no token while listening beyond loopback, unless explicitly allowed."""
+    if tokens or allow_unauthenticated or is_loopback(host):
+        return None
+    return (
+        f"the server would listen on {host!r} with no API key and no run secret: anyone who reaches the port could "
+        "swap its weights. Set --server.api-key (or PRIME_SERVER__API_KEY), or PRIME_RL_SECRET, or say "
+        "--server.allow-unauthenticated to serve openly on a network you trust"
+    )
+
+
+class AccessGuard:
+    """Pure-ASGI middleware in front of every route, ours and vLLM's: without the server's token only `PUBLIC_PATHS`
+    answer (401 JSON for HTTP, close code 1008 for a websocket). A route vLLM adds in a later version is therefore
+    closed by default. The token list is `app.state.prime_tokens` (set once the app state is built; until then only
+    public paths answer)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        tokens = getattr(getattr(scope.get("app"), "state", None), "prime_tokens", None)
+        if tokens is not None and (not tokens or _bearer_ok(scope, tokens)):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await _error(401, "missing or wrong API key")(scope, receive, send)
+
+
+def _bearer_ok(scope: dict, tokens: list[str]) -> bool:
+    header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and token_matches(token, tokens)
 
 
 class BodyError(Exception):
@@ -290,9 +347,8 @@ def validation_message(e: ValidationError, count: int = 5) -> str:
 
 
 async def _parse(request: Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel | JSONResponse:
-    """Authorize, read, parse and validate an admin request; a JSONResponse is the error reply."""
-    if not _authorized(request):
-        return _error(401, "missing or wrong API key")
+    """Read, parse and validate an admin request (`AccessGuard` has checked the token); a JSONResponse is the error
+    reply."""
     try:
         body = parse_json_object(await read_body(request), empty_ok=empty_ok)
     except BodyError as e:
@@ -314,21 +370,49 @@ async def _swap(swapper: WeightSwapper, path: Path, version: str) -> JSONRespons
 
 
 async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | None) -> JSONResponse:
+    """Everything that can be checked is, before anything pauses: the server is set up to receive, the ranks fit,
+    and the trainer's store answers (authenticated) and names the session the request names."""
+    settings = swapper.broadcast
+    if settings is None:
+        return _error(
+            409,
+            "this server receives no weight broadcasts: start it with --weight-broadcast.type gloo|nccl and the "
+            "trainer's --weight-broadcast.host/--weight-broadcast.port (`rl` does)",
+        )
     last = spec.rank + swapper.workers - 1
     if last >= spec.world_size:
         return _error(422, f"ranks {spec.rank}..{last} of this server's {swapper.workers} worker(s) exceed world_size")
+    try:
+        session = await asyncio.to_thread(current_session, settings)
+    except (SecretError, StoreAuthError) as e:
+        return _error(502, f"cannot use the trainer's weight-broadcast store: {clip(e, 500)}")
+    except (StoreError, ValueError) as e:
+        return _error(502, f"the trainer's weight-broadcast store did not answer ({clip(e, 500)}); still serving "
+                      f"{swapper.version}")  # fmt: skip
+    if session != spec.session:
+        return _error(409, "the request names another trainer session than the trainer's store: it is stale")
     try:
         seconds, version = await swapper.receive(spec, version)
     except BroadcastRefused as e:
         return _error(422, f"broadcast refused: {clip(e, 1000)}; still serving {swapper.version}")
     except BroadcastNotStarted as e:
-        return _error(500, f"broadcast failed before any weight changed ({clip(e)}); still serving {swapper.version}")
+        return _error(502, f"broadcast failed before any weight changed ({clip(e)}); still serving {swapper.version}")
     except WeightsUnknownError as e:
         return _error(503, f"{e}; serving nothing until a load succeeds")
     except Exception as e:
         return _error(500, f"receiving the broadcast failed ({clip(e)}); still serving {swapper.version}")
     step = int(version.removeprefix("step_")) if version.removeprefix("step_").isdigit() else None
     return JSONResponse({"status": "ok", "version": version, "step": step, "seconds": round(seconds, 4)})
+
+
+def current_session(settings: dict) -> str:
+    """The session id the trainer's store names (a short authenticated connection; bounded by the timeout)."""
+    store = StoreClient(settings["host"], settings["port"], require_secret("receiving a weight broadcast"),
+                        settings["timeout"])  # fmt: skip
+    try:
+        return read_session(store, min(settings["timeout"], 5.0))["id"]
+    finally:
+        store.close()
 
 
 router = APIRouter()
@@ -349,6 +433,10 @@ async def update_weights(request: Request) -> JSONResponse:
     version = req.version or path.name
     if version == WEIGHTS_UNKNOWN:
         return _error(422, f'{RESERVED_VERSION}: give this directory another "version"')
+    if not re.match(VERSION_PATTERN, version):
+        return _error(
+            422, 'the directory\'s name is not a valid version label: give a "version" (letters, digits, _.+-)'
+        )
     return await _swap(swapper, path, version)
 
 
@@ -394,8 +482,6 @@ async def unload_lora_adapter(request: Request) -> JSONResponse:
 async def weights(request: Request) -> JSONResponse:
     """What is served: its version, where it came from, how many workers a broadcast group needs for us, and the
     version of each loaded adapter."""
-    if not _authorized(request):
-        return _error(401, "missing or wrong API key")
     swapper: WeightSwapper = request.app.state.prime_swapper
     source = None if swapper.unknown else (str(swapper.current_dir) if swapper.current_dir else "broadcast")
     adapters: Adapters = request.app.state.prime_adapters
@@ -516,17 +602,25 @@ class PrimeRLEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
         app.add_middleware(GenerateLogprobTokens)
-        app.add_middleware(WeightsUnknownGate)  # added last: outermost of ours
+        app.add_middleware(WeightsUnknownGate)
+        app.add_middleware(AccessGuard)  # added last: outermost, in front of every route
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        tokens = server_tokens(args)
+        problem = open_access_problem(args.host or "", tokens, getattr(args, "prime_allow_unauthenticated", False))
+        if problem is not None:
+            raise RuntimeError(problem)
         base_dir = resolve_model_dir(args.model)
         roots = [Path(p) for p in getattr(args, "prime_weight_roots", [])]
         await warm_up(engine_client)
-        state.prime_swapper = WeightSwapper(engine_client, base_dir, roots)
+        state.prime_swapper = WeightSwapper(
+            engine_client, base_dir, roots, getattr(args, "prime_weight_broadcast", None)
+        )
         state.prime_adapters = Adapters(engine_client, state.openai_serving_models, roots, state.prime_swapper.expected)
         await state.prime_adapters.init()
         # Tokens of the base policy are reported as version "base" (vLLM's default label is "default").
         await engine_client.update_weight_version(BASE_VERSION)
+        state.prime_tokens = tokens  # last: until here only the public paths answer
 
 
 async def warm_up(engine_client: Any) -> None:

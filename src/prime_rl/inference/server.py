@@ -14,6 +14,7 @@ import time
 from prime_rl.config.loader import ConfigError, load_config, write_resolved_config
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.utils.net import port_in_use
+from prime_rl.utils.secret import SecretError
 
 PLUGIN_NAME = "prime_rl"
 
@@ -36,6 +37,11 @@ def build_vllm_args(config: InferenceConfig, extra: list[str]):
         raise ConfigError(f"invalid vLLM arguments: {e}") from None
     # Read by our endpoint plugin (prime_rl.inference.plugin) when the app state is built.
     args.prime_weight_roots = [str(p) for p in config.weight_roots]
+    broadcast = config.weight_broadcast
+    args.prime_weight_broadcast = (
+        broadcast.model_dump(include={"type", "host", "port", "timeout"}) if broadcast.in_memory else None
+    )
+    args.prime_allow_unauthenticated = config.server.allow_unauthenticated
     return args
 
 
@@ -74,8 +80,16 @@ def main(argv: list[str] | None = None) -> None:
 
     path = write_resolved_config(config, "inference")
     logger.info(f"resolved config written to {path}; vLLM args: {' '.join(config.vllm_args() + extra)}")
+    from prime_rl.inference.plugin import open_access_problem, server_tokens
+
     cli_env_setup()
     args = build_vllm_args(config, extra)
+    try:
+        problem = open_access_problem(config.server.host, server_tokens(args), config.server.allow_unauthenticated)
+    except SecretError as e:
+        problem = str(e)
+    if problem is not None:
+        raise SystemExit(f"inference: error: {problem}")
     logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
     del uvloop  # ServeSubcommand runs its own event loop
     ServeSubcommand.cmd(args)

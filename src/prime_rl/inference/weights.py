@@ -1,8 +1,24 @@
 """Checks on a weight directory before the server loads it: the server must never be left half-updated.
 
 Everything here reads safetensors headers only (no tensor data), so a check costs milliseconds.
+
+Allowed roots: a directory given by a request must resolve inside them, and so must every file in it that vLLM will
+read (a directory inside the roots may hold symlinks to files elsewhere). A file that resolves outside is refused
+unopened, and replies name only the file, not where it leads: nothing of a file outside the roots reaches a reply.
+What the checks read is the file they checked (`open_in_roots`). vLLM reads the directory again afterwards, by path:
+someone who can write inside the roots can still swap a file for a symlink in the moment between the check and vLLM's
+read. Closing that would need a private copy of every file checked, made before vLLM reads it; writing inside the
+roots is the trust this server gives the trainer that publishes there.
 """
 
+import errno
+import glob
+import json
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,6 +29,8 @@ ECHO_CHARS = 200
 
 # Float dtypes the loader converts into the served dtype by value (the trainer may publish any of them).
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+MAX_JSON_BYTES = 16 << 20
+"""The largest JSON file (adapter_config.json, a safetensors index) the checks read."""
 
 
 class WeightDirError(Exception):
@@ -36,23 +54,61 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
-def safetensors_specs(model_dir: Path) -> dict[str, TensorSpec]:
-    """Tensor name -> (dtype, shape) over every `*.safetensors` file in `model_dir` (headers only).
+def safetensors_specs(
+    model_dir: Path, roots: list[Path] | None = None, shown: str | None = None
+) -> dict[str, TensorSpec]:
+    """Tensor name -> (dtype, shape) over the safetensors files vLLM loads from `model_dir` (headers only).
 
+    `roots`: every file read (each safetensors file, the index that selects them) must resolve inside them (403);
+    None for the served model's own directory, which is not a request's. `shown`: how messages name the directory.
     A name stored in two files is refused: vLLM would load it twice, which its layerwise reload counts as
     a complete layer before the layer's other tensors arrived.
     """
+    folder = str(model_dir)
+    shown = shown if shown is not None else clip(folder)
+    files, index_name = weight_files(folder)
+    if files:
+        with open_in_roots(Path(folder) / index_name, roots, shown) as index:
+            if index is not None:
+                files = indexed_files(files, read_json(index, shown, index_name), folder, shown, index_name)
     specs: dict[str, TensorSpec] = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        for name, spec in file_specs(file).items():
-            if name in specs:
-                raise WeightDirError(422, f"tensor {clip(name)} is stored twice (again in {file.name})")
-            specs[name] = spec
+    for file in files:
+        name = os.path.basename(file)
+        with open_in_roots(Path(file), roots, shown) as path:
+            if path is None:
+                raise WeightDirError(422, f"{shown}: {clip(name)} is not a readable file")
+            for tensor, spec in file_specs(path, f"{shown}: {clip(name)}").items():
+                if tensor in specs:
+                    raise WeightDirError(422, f"tensor {clip(tensor)} is stored twice (again in {clip(name)})")
+                specs[tensor] = spec
     return specs
 
 
-def file_specs(file: Path) -> dict[str, TensorSpec]:
-    """Tensor name -> (dtype, shape) of one safetensors file (its header only); 422 if it is not readable."""
+def weight_files(folder: str) -> tuple[list[str], str]:
+    """The safetensors files vLLM 0.32's default loader (load format "auto") reads from the local directory `folder`,
+    before the index filters them, and the name of that index: its own `glob` (names starting with a dot are not
+    matched), Mistral's `consolidated*.safetensors` instead when the tree holds one."""
+    mistral = any(fnmatch(f.name, "consolidated*.safetensors") and f.is_file() for f in Path(folder).rglob("*"))
+    pattern = "consolidated*.safetensors" if mistral else "*.safetensors"
+    index = "consolidated.safetensors.index.json" if mistral else "model.safetensors.index.json"
+    return sorted(glob.glob(os.path.join(folder, pattern))), index
+
+
+def indexed_files(files: list[str], index: object, folder: str, shown: str, index_name: str) -> list[str]:
+    """`files` that the safetensors index's weight_map names, as vLLM keeps them; 422 where vLLM would fail."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightDirError(422, f"{shown}: {index_name} has no weight_map of tensor names to file names")
+    listed = {os.path.join(folder, v) for v in weight_map.values()}
+    missing = sorted(os.path.relpath(f, folder) for f in listed - set(files))
+    if missing:
+        raise WeightDirError(422, f"{shown}: {index_name} names files it does not hold: {names(missing)}")
+    return [f for f in files if f in listed]
+
+
+def file_specs(file: Path | str, shown: str | None = None) -> dict[str, TensorSpec]:
+    """Tensor name -> (dtype, shape) of one safetensors file (its header only); 422 if it is not readable. `shown`:
+    how messages name the file."""
     try:
         with safe_open(str(file), framework="pt") as f:
             specs = {}
@@ -61,7 +117,20 @@ def file_specs(file: Path) -> dict[str, TensorSpec]:
                 specs[name] = TensorSpec(sliced.get_dtype(), tuple(sliced.get_shape()))
             return specs
     except Exception as e:  # safetensors raises several types for a corrupt or truncated file
-        raise WeightDirError(422, f"{clip(file)} is not a readable safetensors file: {clip(e)}") from None
+        shown = shown if shown is not None else clip(file)
+        raise WeightDirError(422, f"{shown} is not a readable safetensors file: {clip(e)}") from None
+
+
+def read_json(file: str, shown: str, name: str) -> object:
+    """The JSON value in `file` (a path `open_in_roots` gave); 422 if it is not readable JSON."""
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise ValueError(f"over {MAX_JSON_BYTES} bytes")
+        return json.loads(data)
+    except (ValueError, RecursionError, OSError) as e:
+        raise WeightDirError(422, f"{shown}: {clip(name)} is not readable JSON ({clip(e)})") from None
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -71,8 +140,61 @@ def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 def is_under(path: Path, roots: list[Path]) -> bool:
     """True if `path` (symlinks resolved) lies inside one of `roots`."""
-    resolved = path.resolve()
-    return any(resolved.is_relative_to(Path(root).resolve()) for root in roots)
+    return within(path.resolve(), roots)
+
+
+def within(resolved: str | Path, roots: list[Path]) -> bool:
+    """True if the already resolved path `resolved` lies inside one of `roots`."""
+    return any(Path(resolved).is_relative_to(Path(root).resolve()) for root in roots)
+
+
+def resolve(path: Path | str) -> str:
+    """`path` with every symlink resolved (`os.path.realpath`; tests stand in for it to act out a swap)."""
+    return os.path.realpath(path)
+
+
+@contextmanager
+def open_in_roots(entry: Path, roots: list[Path] | None, shown: str) -> Iterator[str | None]:
+    """Opens the file `entry` names for the caller to read, if it resolves inside `roots`; yields a path that reads
+    exactly the opened file (`/proc/self/fd/N` on Linux), or None when `entry` is not a regular file (missing, a
+    directory, a dangling link). `roots` None: not checked (the served model's own directory).
+
+    `entry` is resolved first, and a file that resolves outside the roots is refused (403) without being opened and
+    without naming where it leads. The file is then opened without following a last symlink, never blocking (a FIFO),
+    and the kernel's path of the open file is checked again, so a link swapped into the path in between is caught.
+    `shown`: how messages name the directory. See the module docstring for the race this leaves (vLLM's own read).
+    """
+    outside = WeightDirError(403, f"{shown}: {clip(entry.name)} resolves outside the allowed roots")
+    try:
+        real = resolve(entry)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise WeightDirError(400, f"{shown}: {clip(entry.name)} is not a usable path ({type(e).__name__})") from None
+    if roots is not None and not within(real, roots):
+        raise outside
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            yield None
+            return
+        raise WeightDirError(422, f"{shown}: {clip(entry.name)} cannot be opened ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            yield None
+            return
+        path = real
+        try:
+            opened = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc: the resolved path is what there is
+            opened = None
+        else:
+            path = f"/proc/self/fd/{fd}"
+        if roots is not None and opened is not None and not within(opened.removesuffix(" (deleted)"), roots):
+            raise outside
+        yield path
+    finally:
+        os.close(fd)
 
 
 def dtypes_compatible(got: str, expected: str) -> bool:
@@ -81,11 +203,12 @@ def dtypes_compatible(got: str, expected: str) -> bool:
 
 
 def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, TensorSpec]) -> Path:
-    """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`."""
+    """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`. The directory and
+    every file vLLM will read from it must resolve inside `roots`."""
     shown = clip(weight_dir)
     path = checked_dir(weight_dir, roots, "weight_dir")
     try:
-        specs = safetensors_specs(path)
+        specs = safetensors_specs(path, roots, f"weight_dir {shown}")
     except OSError as e:
         raise WeightDirError(
             400, f"weight_dir {shown} is not a usable path ({e.strerror or type(e).__name__})"
@@ -101,7 +224,8 @@ def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, Ten
 def checked_dir(value: str, roots: list[Path], field: str) -> Path:
     """`value` resolved, if it is an existing directory under one of `roots`; else `WeightDirError`.
 
-    The root check comes first so nothing about paths outside the allowed roots is revealed. A path the
+    The root check comes first so nothing about paths outside the allowed roots is revealed. Only the directory is
+    checked here: the files in it that are read must each pass `open_in_roots` too. A path the
     file system cannot even look up (a component over NAME_MAX, a NUL byte, a symlink loop) is a 400, not
     an exception escaping to a 500. `field` names the request field in messages.
     """
@@ -158,7 +282,7 @@ def header_problem(header, expected: dict) -> str | None:
     return spec_problem(specs, served, "the broadcast")
 
 
-def names(items: list[str], count: int = 5) -> str:
-    """The first `count` items, each clipped, for an error message."""
-    shown = ", ".join(clip(x, 120) for x in items[:count])
+def names(items: list[str], count: int = 5, limit: int = 120) -> str:
+    """The first `count` items, each clipped to `limit` characters, for an error message."""
+    shown = ", ".join(clip(x, limit) for x in items[:count])
     return shown + (f" (+{len(items) - count} more)" if len(items) > count else "")

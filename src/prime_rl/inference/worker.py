@@ -16,31 +16,60 @@ class WeightSwapExtension:
             raise FileNotFoundError(f"weight directory {weight_dir} does not exist")
         self._prime_reload(weights_path=weight_dir)
 
-    def prime_receive_weights(self, spec: dict, expected: dict) -> dict:
-        """Join the trainer's broadcast group `spec` describes (or reuse it) and reload every weight in place from it,
-        layer by layer as the buffers arrive. Returns {"step": n}; {"refused": why} when the header does not fit the
-        served model (every member then stops, before any weight changed); {"not_started": why} when joining or the
-        header failed (no weight changed either)."""
-        from prime_rl.inference.weights import header_problem
-        from prime_rl.weight_broadcast import agree, buffer_device, receive_header, receive_tensors
+    def prime_broadcast_join(self, settings: dict, spec: dict, expected: dict) -> dict:
+        """First half of receiving a broadcast, while generation goes on: join the trainer's group `spec` names (or
+        reuse it), receive the header and say in the group's all-reduce whether it fits the served model.
 
-        device = buffer_device(spec["backend"], self.device)
+        `settings`: the server's own `weight_broadcast` config (the store's address comes from there, never from a
+        request); `expected`: the served model's tensors. Returns {"step": n} when every member accepted (the
+        weights follow: `prime_broadcast_load`); {"refused": why} when the header does not fit (every member then
+        stops, before any weight changed); {"not_started": why} when joining or the header failed."""
+        from prime_rl.inference.weights import header_problem
+        from prime_rl.weight_broadcast.protocol import (
+            HeaderError,
+            agree,
+            buffer_device,
+            max_header_bytes,
+            receive_header,
+        )
+
+        if self.__dict__.pop("_prime_pending", None) is not None:
+            self._prime_drop_group("the previous transfer was joined but never loaded")
+        device = buffer_device(settings["type"], self.device)
+        timeout = settings["timeout"]
         try:
-            group = self._prime_group(spec)
-            header = receive_header(group, device)
+            group = self._prime_group(settings, spec)
+            header = receive_header(group, device, max_header_bytes(expected), timeout)
             problem = header_problem(header, expected)
-            if not agree(group, problem is None, device):
-                return {"refused": problem or "another member of the group refused the weights"}
+            accepted = agree(group, problem is None, device, timeout)
+        except HeaderError as e:  # out of step with the group now: nothing more can be received on it
+            self._prime_drop_group(str(e))
+            return {"refused": str(e)}
         except Exception as e:
-            self.__dict__.get("_prime_groups", {}).clear()  # a broken group is never used again
-            logger.warning(f"weight broadcast failed before any weight changed: {e}")
+            self._prime_drop_group(f"{type(e).__name__}: {e}")
             return {"not_started": f"{type(e).__name__}: {e}"}
-        try:
-            self._prime_reload(weights_iterator=receive_tensors(group, header, device))
-        except BaseException:
-            self._prime_groups.clear()
-            raise
+        if not accepted:
+            return {"refused": problem or "another member of the group refused the weights"}
+        self._prime_pending = (group, header, device, timeout)
         return {"step": header.step}
+
+    def prime_broadcast_load(self) -> None:
+        """Second half, with generation paused: reload every weight in place from the group, layer by layer as the
+        buffers arrive."""
+        from prime_rl.weight_broadcast.protocol import receive_tensors
+
+        group, header, device, timeout = self.__dict__.pop("_prime_pending")
+        try:
+            self._prime_reload(weights_iterator=receive_tensors(group, header, device, timeout))
+        except BaseException:
+            self._prime_drop_group("the transfer failed midway")
+            raise
+
+    def _prime_drop_group(self, why: str) -> None:
+        """A group that failed (or a member out of step with it) is never used again."""
+        if self.__dict__.get("_prime_groups"):
+            logger.warning(f"left the weight-broadcast group: {why}")
+        self.__dict__.get("_prime_groups", {}).clear()
 
     def prime_lora_modules(self) -> list[str] | None:
         """Layer names (last path component, e.g. `q_proj`) vLLM applies LoRA to in the served model, as its adapter
@@ -54,23 +83,33 @@ class WeightSwapExtension:
             expected.update(adapters.packed_modules_mapping.get(module, [module]))
         return sorted(expected)
 
-    def _prime_group(self, spec: dict):
-        """The group of `spec`'s session and generation: joined once, kept while the membership stays the same."""
-        from prime_rl.weight_broadcast import connect_store, join_group
+    def _prime_group(self, settings: dict, spec: dict):
+        """The group `spec` names: joined once through the trainer's store (authenticated with the run secret), kept
+        while the membership stays the same. The store must name the session the orchestrator saw: a group of an
+        earlier trainer is never joined."""
+        from prime_rl.utils.secret import require_secret
+        from prime_rl.weight_broadcast.protocol import join_group, read_session
+        from prime_rl.weight_broadcast.store import StoreClient
 
-        key = (spec["host"], spec["port"], spec["session"], spec["generation"])
         groups = self.__dict__.setdefault("_prime_groups", {})
+        key = (spec["session"], spec["group"])
         if key not in groups:
-            groups.clear()  # an older generation's peers may be gone
-            store = connect_store(spec["host"], spec["port"], spec["timeout"])
-            parallel = self.vllm_config.parallel_config
-            index = parallel.data_parallel_rank * parallel.world_size + self.rank
-            rank = spec["rank"] + index
-            group = join_group(
-                store, spec["session"], spec["generation"], rank, spec["world_size"], spec["backend"], spec["timeout"]
-            )
+            groups.clear()  # an older group's peers may be gone
+            secret = require_secret("receiving a weight broadcast")
+            store = StoreClient(settings["host"], settings["port"], secret, settings["timeout"])
+            try:
+                if read_session(store, settings["timeout"])["id"] != spec["session"]:
+                    raise RuntimeError("the trainer's store names another session: that trainer is gone")
+                parallel = self.vllm_config.parallel_config
+                rank = spec["rank"] + parallel.data_parallel_rank * parallel.world_size + self.rank
+                group = join_group(
+                    store, spec["group"], rank, spec["world_size"], settings["type"], settings["timeout"]
+                )
+            except BaseException:
+                store.close()
+                raise
             groups[key] = (store, group)  # the store stays open as long as its group
-            logger.info(f"joined weight broadcast generation {spec['generation']} as rank {rank}/{spec['world_size']}")
+            logger.info(f"joined weight-broadcast group {spec['group']} as rank {rank}/{spec['world_size']}")
         return groups[key][1]
 
     def _prime_reload(self, **source) -> None:

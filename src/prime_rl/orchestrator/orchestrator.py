@@ -332,7 +332,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     finally:
         lag_task.cancel()
         await workers.close()
-        await servers.close()
+        await servers.close(finished=exit_code == 0)
         monitor.close(exit_code)
         lock.release()
 

@@ -232,12 +232,23 @@ class InferenceServers:
 
     async def _catch_up(self, url: str) -> None:
         """Give a returning server the policy the others serve: from disk when it is there, else by a broadcast of the
-        trainer's current policy to every healthy server and this one (so all serve the same, maybe newer, policy)."""
+        trainer's current policy, or the newest one on disk, to every healthy server and this one (so all serve the
+        same, maybe newer, policy)."""
         on_disk = self.version == 0 or (self.weight_dir(self.version) / "STABLE").exists()
-        if self.broadcast is None or on_disk:
+        if on_disk:
             await self._load_on(url, self.version)
-            return
-        self._settle(await self._broadcast_to([*self.healthy(), url]), recovering=url)
+        elif self.broadcast is not None:
+            self._settle(await self._broadcast_to([*self.healthy(), url]), recovering=url)
+        else:
+            # The trainer pruned the policy the others serve (it keeps only what inference may still need): every
+            # server moves to the newest policy, which the async level allows (newer is never too old).
+            newest = self.latest_published()
+            logger.warning(f"policy step {self.version} is gone from disk; moving every server to step {newest}")
+            urls = [*self.healthy(), url]
+            results = await asyncio.gather(*(self._load_on(u, newest) for u in urls), return_exceptions=True)
+            self.version = newest
+            outcomes = [(u, r if isinstance(r, BaseException) else None) for u, r in zip(urls, results, strict=True)]
+            self._settle(outcomes, recovering=url)
 
     def _settle(self, outcomes: list[tuple[str, BaseException | None]], recovering: str | None = None) -> None:
         """Act on each server's outcome of a swap (None: it serves `version`). A transient failure (`httpx.HTTPError`:
@@ -271,9 +282,13 @@ class InferenceServers:
         )
         return f"{path} or the trainer's weight-broadcast store at {self.broadcast.address}{reached}"
 
-    async def close(self) -> None:
+    async def close(self, finished: bool = False) -> None:
+        """`finished`: the run completed, so the trainer may stop waiting for its policies to be taken (after a crash
+        it goes on waiting, for a restarted orchestrator)."""
         for task in self.recovering.values():
             task.cancel()
         if self.broadcast is not None:
-            await asyncio.to_thread(self.broadcast.finish)
+            if finished:
+                await asyncio.to_thread(self.broadcast.finish)
+            self.broadcast.close()
         await asyncio.gather(*(client.aclose() for client in self.admin.values()))

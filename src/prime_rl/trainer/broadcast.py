@@ -1,136 +1,163 @@
 """The trainer's side of the in-memory weight broadcast (`weight_broadcast.type = "nccl"` or `"gloo"`).
 
-Rank 0 hosts the rendezvous store the orchestrator and the inference workers connect to, announces the policy step
-it holds (`published`) and answers the orchestrator's requests (see `prime_rl.weight_broadcast` for the protocol).
+Rank 0 hosts the authenticated store the orchestrator and the inference workers connect to, announces the policy
+step it holds (`published`) and answers the orchestrator's requests (protocol: `prime_rl.weight_broadcast.protocol`).
 Every rank takes part in a transfer: each layer's full tensors are gathered from the FSDP shards (a collective),
 and rank 0 broadcasts them to the servers, one layer at a time.
 
 A receiver that dies mid-transfer fails only that transfer: rank 0 reports the error to the orchestrator (which
-takes the server out of rotation and sends the next policy to a new group) and training goes on.
+takes the server out of rotation and sends the next policy to a new group) and training goes on. Rank 0 spends at
+most `weight_broadcast.timeout` on starting a transfer and on each layer, which bounds how long the other ranks
+wait for it in a collective (the config caps the timeout well under torch's collective timeouts).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from datetime import timedelta
 
 import torch
 from loguru import logger
-from torch.distributed import TCPStore
 from torch.distributed.tensor import DTensor
 
 from prime_rl.config import WeightBroadcastConfig
 from prime_rl.trainer.distributed import World, broadcast_object
 from prime_rl.trainer.model import SetupError
-from prime_rl.weight_broadcast import (
+from prime_rl.utils.secret import SecretError, require_secret
+from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,
     PUBLISHED,
+    REQUEST,
     SESSION,
     Header,
+    Request,
     ack_key,
     agree,
     buffer_device,
-    get_json,
+    group_prefix,
     join_group,
     layer_groups,
-    request_key,
     send_header,
     send_tensors,
     served_key,
     set_json,
 )
+from prime_rl.weight_broadcast.store import StoreServer, Table
 
 
 class WeightSender:
     def __init__(self, config: WeightBroadcastConfig, world: World):
         self.config, self.world = config, world
         self.device = buffer_device(config.type, world.device)
-        self.store: TCPStore | None = None
+        self.table: Table | None = None
+        """Rank 0: the store's contents (rank 0 reads and writes them directly, the others over the network)."""
+        self.server: StoreServer | None = None
         self.session = uuid.uuid4().hex
         self.step: int | None = None
         """The policy step the model's weights are, once published."""
         self.taken = -1
         """The newest step some server received."""
-        self.next_request = 1
-        self.group, self.group_key = None, None
+        self.group, self.group_id = None, None
         self.seconds = 0.0
         """Time spent sending since the loop last read it (`pop_seconds`)."""
         if world.is_main:
             try:
-                self.store = TCPStore(
-                    config.host, config.require_port(), is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=config.timeout),
-                )  # fmt: skip
-            except ValueError as e:
+                secret = require_secret("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
+                port = config.require_port()
+                self.table = Table()
+                set_json(self.table, SESSION, {"id": self.session, "backend": config.type})  # there before anyone looks
+                self.server = StoreServer(config.host, port, secret, self.table)
+            except (SecretError, ValueError) as e:
                 raise SetupError(str(e)) from None
-            except Exception as e:
-                raise SetupError(f"weight_broadcast: cannot listen on port {config.port}: {e}") from None
-            self.store.set(SESSION, self.session)
-            logger.info(f"weight broadcast ({config.type}) store listening on port {config.port}")
+            except OSError as e:
+                raise SetupError(
+                    f"weight_broadcast: cannot listen on {config.host}:{config.port} ({e}); the host must be an "
+                    "address of trainer rank 0's machine"
+                ) from None
+            logger.info(f"weight broadcast ({config.type}) store listening on {config.host}:{config.port}")
 
     def publish(self, step: int) -> None:
         """The model now holds policy `step`: the orchestrator may ask for it."""
         self.step = step
-        if self.store is not None:
-            self.store.set(PUBLISHED, str(step))
+        if self.table is not None:
+            self.table.set(PUBLISHED, str(step))
 
     def pending(self) -> bool:
         """Rank 0: the orchestrator asked for a transfer not yet served."""
-        return self.store is not None and self.store.check([request_key(self.next_request)])
+        return self.table is not None and self.table.check([REQUEST])
 
     def taken_or_unwanted(self, step: int) -> bool:
         """Rank 0: a server received `step` (or newer), or the orchestrator finished and wants nothing more."""
-        return self.taken >= step or (self.store is not None and self.store.check([ORCHESTRATOR_DONE]))
+        return self.taken >= step or (self.table is not None and self.table.check([ORCHESTRATOR_DONE]))
 
     def close(self) -> None:
-        """Drops the transfer group, then the store, while the interpreter is whole: a gloo group or store left to
-        interpreter exit can be destroyed with its threads still running, which aborts the process."""
-        self.group, self.group_key = None, None
-        self.store = None
+        """Drops the transfer group, then the store, while the interpreter is whole: a gloo group left to interpreter
+        exit can be destroyed with its threads still running, which aborts the process."""
+        self.group, self.group_id = None, None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     def pop_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
     def serve(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """Every rank: answer the next request by broadcasting the model's weights (cast to `dtype`) to its group."""
+        """Every rank: answer the pending request by broadcasting the model's weights (cast to `dtype`) to its group."""
         start = time.perf_counter()
         request, outcome = None, None
         if self.world.is_main:
-            i, self.next_request = self.next_request, self.next_request + 1
-            request = get_json(self.store, request_key(i))
-            set_json(self.store, ack_key(i), {"step": self.step})
-            outcome = self._start(model, request, dtype)
+            request, outcome = self._take_request()
+            if request is not None:
+                set_json(self.table, ack_key(request.id), {"step": self.step})
+                outcome = self._start(model, request, dtype)
         outcome = broadcast_object(outcome, self.world)
+        if outcome == "skip":
+            return
         error = self._send_layers(model, dtype) if outcome == "send" else outcome
         if self.world.is_main:
-            set_json(self.store, served_key(i), {"step": self.step, "error": error})
+            set_json(self.table, served_key(request.id), {"step": self.step, "error": error})
             if error is None:
                 self.taken = max(self.taken, self.step)
-                logger.debug(f"sent policy step {self.step} to generation {request['generation']}")
+                logger.debug(f"sent policy step {self.step} to group {request.group}")
             else:
                 logger.warning(f"weight broadcast of policy step {self.step} failed: {error}")
         self.seconds += time.perf_counter() - start
 
-    def _start(self, model: torch.nn.Module, request: dict, dtype: torch.dtype) -> str:
-        """Rank 0: join the request's group, send the header; "send" if every receiver accepted it, else why not."""
+    def _take_request(self) -> tuple[Request | None, str | None]:
+        """Rank 0: the pending request, deleted from the store; ("skip") for one that does not parse (only a process
+        holding the run secret can write one, but a bad one must never stop the trainer)."""
+        raw = self.table.take(REQUEST)
+        if raw is None:
+            return None, "skip"
         try:
-            key = (request["generation"], request["world_size"])
-            if key != self.group_key:
-                self.group, self.group_key = None, None  # the old generation's peers may be gone
-                self.group = join_group(
-                    self.store, self.session, request["generation"], 0, request["world_size"], self.config.type,
-                    self.config.timeout,
-                )  # fmt: skip
-                self.group_key = key
-            send_header(self.group, header(model, self.step, dtype), self.device)
-            if not agree(self.group, True, self.device):
-                return "a server refused the weights (its reply to the orchestrator says why)"
-            return "send"
+            return Request.decode(raw), None
+        except (TypeError, ValueError) as e:
+            logger.warning(f"ignored a malformed weight-transfer request ({e})")
+            return None, "skip"
+
+    def _start(self, model: torch.nn.Module, request: Request, dtype: torch.dtype) -> str:
+        """Rank 0: join the request's group, send the header; "send" if every receiver accepted it, else why not.
+        Everything here shares one deadline: the other ranks wait for it in a collective."""
+        deadline = time.monotonic() + self.config.timeout
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        try:
+            if request.group != self.group_id:
+                self.group, self.group_id = None, None  # the old group's peers may be gone
+                self.group = join_group(self.table, request.group, 0, request.world_size, self.config.type, left())
+                self.group_id = request.group
+            send_header(self.group, header(model, self.step, dtype), self.device, left())
+            accepted = agree(self.group, True, self.device, left())
+            return "send" if accepted else "a server refused the weights (its reply to the orchestrator says why)"
         except Exception as e:
-            self.group, self.group_key = None, None
+            self.group, self.group_id = None, None
             return f"{type(e).__name__}: {e}"
+        finally:
+            # Past the all-reduce every member has joined (a failed group is given up): nobody reads these again.
+            self.table.delete_prefix(group_prefix(request.group))
 
     def _send_layers(self, model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         """Every rank gathers each layer's full tensors; rank 0 broadcasts them. After a failed broadcast the other
@@ -141,10 +168,10 @@ class WeightSender:
             tensors = [full_tensor(params[name], self.world.device) for name in names]
             if self.world.is_main and error is None:
                 try:
-                    send_tensors(self.group, tensors, dtype, self.device)
+                    send_tensors(self.group, tensors, dtype, self.device, self.config.timeout)
                 except Exception as e:
                     error = f"{type(e).__name__}: {e}"
-                    self.group, self.group_key = None, None
+                    self.group, self.group_id = None, None
             del tensors
         return error
 

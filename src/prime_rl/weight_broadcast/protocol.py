@@ -1,0 +1,305 @@
+"""The in-memory weight transfer's protocol: the store keys, the requests, and the wire format of one transfer.
+
+Shared by the trainer (`trainer/broadcast.py`), the orchestrator (`orchestrator/broadcast.py`) and the inference
+workers (`inference/worker.py`); torch only. Who writes, reads and deletes each key, and when it stops being valid,
+is the table in docs/architecture.md ("The transfer protocol"). In short:
+
+- **Store.** Trainer rank 0 hosts an authenticated store (`store.py`) for its whole life and writes `session`: a fresh
+  id per trainer process, and the backend, so that nobody joins a group of an earlier trainer.
+- **Requests.** The orchestrator writes one `request` at a time: its own id plus a counter, the group to use (a
+  random id, new whenever the members change or a transfer failed), and the group's size. The trainer takes it
+  (deletes it), answers `ack/<id>` with the policy step it is about to send, sends, then writes `served/<id>`; the
+  orchestrator deletes both once read. Ids carry the orchestrator's random id, so an answer meant for an earlier
+  orchestrator is never read as ours.
+- **Groups.** Trainer rank 0 is rank 0; the workers of server i come after those of servers 0..i-1. Members find
+  each other through `group/<id>/`, which trainer rank 0 deletes once everyone joined.
+- **Wire format** of one transfer, all over the group from rank 0: a JSON header (step, dtype, every tensor's name
+  and shape, in groups of one decoder layer each, the rest first); one MIN all-reduce in which every receiver says
+  whether the header fits its model (a misfit stops every member before any weight changes); then one flat buffer per
+  group, which a receiver streams into vLLM's layer-wise reload: neither end holds more than about a layer extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from prime_rl.weight_broadcast.store import GroupStore, StoreClient, Table
+
+SESSION = "session"
+"""{"id": hex, "backend": "gloo" | "nccl"}: the trainer process and its group backend; written once by rank 0."""
+PUBLISHED = "published"
+"""The policy step trainer rank 0 holds and sends when asked."""
+REQUEST = "request"
+"""The orchestrator's pending transfer request; the trainer takes (deletes) it when it starts serving it."""
+ORCHESTRATOR_DONE = "orchestrator_done"
+"""Written by an orchestrator that finished its last step (not by one that crashed): the trainer stops waiting for it.
+The next orchestrator to connect deletes it."""
+
+ID = re.compile(r"^[0-9a-f]{32}$")
+REQUEST_ID = re.compile(r"^[0-9a-f]{32}-[0-9]{1,18}$")
+MAX_MEMBERS = 1 << 16
+"""Most members a transfer group may have (the trainer and every worker of every server)."""
+MAX_STEP = (1 << 63) - 1
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a trainer sends (its model's, or the export dtype)."""
+LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def ack_key(request_id: str) -> str:
+    return f"ack/{request_id}"
+
+
+def served_key(request_id: str) -> str:
+    return f"served/{request_id}"
+
+
+def group_prefix(group: str) -> str:
+    return f"group/{group}/"
+
+
+def json_object(raw: bytes, key: str) -> dict:
+    """A store value as the JSON object it must be (ValueError otherwise)."""
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} does not hold a JSON object")
+    return value
+
+
+def get_json(kv: Table | StoreClient, key: str, timeout: float = 0.0) -> dict:
+    return json_object(kv.get(key, timeout), key)
+
+
+def set_json(kv: Table | StoreClient, key: str, value: dict) -> None:
+    kv.set(key, json.dumps(value))
+
+
+def _bounded_int(value, low: int, high: int, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer in [{low}, {high}]")
+    return value
+
+
+@dataclass(frozen=True)
+class Request:
+    """One transfer the orchestrator asks for."""
+
+    id: str
+    """`<orchestrator id>-<counter>`: names the trainer's `ack/` and `served/` answers."""
+    group: str
+    """Random id of the transfer group (its rendezvous is `group/<id>/`)."""
+    world_size: int
+    """Members of the group: the trainer and every worker of every receiving server."""
+
+    def encode(self) -> str:
+        return json.dumps({"id": self.id, "group": self.group, "world_size": self.world_size})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Request:
+        """Raises ValueError for anything but a well-formed request (the trainer answers it with an error)."""
+        data = json.loads(raw)
+        if not isinstance(data, dict) or set(data) != {"id", "group", "world_size"}:
+            raise ValueError("a request is a JSON object with exactly id, group and world_size")
+        if not isinstance(data["id"], str) or not REQUEST_ID.match(data["id"]):
+            raise ValueError("request id must be <32 hex digits>-<counter>")
+        if not isinstance(data["group"], str) or not ID.match(data["group"]):
+            raise ValueError("group must be 32 hex digits")
+        return cls(data["id"], data["group"], _bounded_int(data["world_size"], 2, MAX_MEMBERS, "world_size"))
+
+
+def read_session(kv: Table | StoreClient, timeout: float) -> dict:
+    """The trainer's `session` ({"id", "backend"}), checked."""
+    session = get_json(kv, SESSION, timeout)
+    if (
+        not isinstance(session.get("id"), str)
+        or not ID.match(session["id"])
+        or session.get("backend")
+        not in (
+            "gloo",
+            "nccl",
+        )
+    ):
+        raise ValueError("the store's session is malformed")
+    return session
+
+
+def join_group(kv: Table | StoreClient, group: str, rank: int, world_size: int, backend: str, timeout: float):
+    """This process's member of one transfer group; blocks until every member joined (bounded by `timeout`).
+
+    NCCL's watchdog tears down the whole process when a collective times out (its default error handling); a
+    transfer group is built with error handling 2 (clean up only) instead, so a receiver that dies fails the transfer
+    and not the trainer (`run_collective` also aborts the group itself at its deadline). Untested without GPUs."""
+    store = GroupStore(kv, group_prefix(group), timeout)
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=timeout)
+    previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read when the group is built: this group only
+    try:
+        return ProcessGroupNCCL(store, rank, world_size, options)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+
+
+def buffer_device(backend: str, device: torch.device) -> torch.device:
+    """Where the transferred buffers live: gloo moves host memory, NCCL GPU memory."""
+    return torch.device("cpu") if backend == "gloo" else device
+
+
+def run_collective(group, work, timeout: float) -> None:
+    """Wait for one collective of a transfer group, at most `timeout` seconds. Gloo enforces the op's timeout itself;
+    an NCCL op only completes on the GPU, so it is polled, and the group aborted at the deadline (a dead peer must
+    fail this transfer, not hang or kill the process)."""
+    if type(group).__name__ != "ProcessGroupNCCL":
+        work.wait()
+        return
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            group.abort()
+            raise TimeoutError(f"an NCCL transfer collective did not complete within {timeout:g} s")
+        time.sleep(0.001)
+    work.wait()
+
+
+def _broadcast(group, tensor: torch.Tensor, timeout: float) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    options.timeout = timedelta(seconds=timeout)
+    run_collective(group, group.broadcast([tensor], options), timeout)
+
+
+def agree(group, ok: bool, device: torch.device, timeout: float) -> bool:
+    """Whether every member said ok (one MIN all-reduce)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    options = torch.distributed.AllreduceOptions()
+    options.reduceOp = torch.distributed.ReduceOp.MIN
+    options.timeout = timedelta(seconds=timeout)
+    run_collective(group, group.allreduce([flag], options), timeout)
+    return bool(flag.item())
+
+
+class HeaderError(ValueError):
+    """A transfer header a receiver refuses before any weight changes."""
+
+
+@dataclass
+class Header:
+    step: int
+    """The policy step the weights are (served as version `step_<step>`)."""
+    dtype: str
+    """torch dtype name of every tensor (the trainer sends in the model's stored dtype)."""
+    groups: list[list[tuple[str, tuple[int, ...]]]]
+    """Tensor names and full shapes, one list per flat buffer that follows (the non-layer tensors, then each layer)."""
+
+    def specs(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for group in self.groups for name, shape in group}
+
+    def encode(self) -> bytes:
+        return json.dumps({"step": self.step, "dtype": self.dtype, "groups": self.groups}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Header:
+        """Parse and bound a header; `HeaderError` says what is wrong (nothing of it is trusted: a bad one is refused
+        before any buffer is allocated from it)."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise HeaderError("the transfer header is not JSON") from None
+        if not isinstance(data, dict) or set(data) != {"step", "dtype", "groups"}:
+            raise HeaderError("the transfer header must be an object with exactly step, dtype and groups")
+        try:
+            step = _bounded_int(data["step"], 0, MAX_STEP, "step")
+        except ValueError as e:
+            raise HeaderError(f"the transfer header's {e}") from None
+        if data["dtype"] not in DTYPES:
+            raise HeaderError(f"the transfer header's dtype must be one of {', '.join(DTYPES)}")
+        groups = data["groups"]
+        if not isinstance(groups, list) or not all(isinstance(g, list) and g for g in groups):
+            raise HeaderError("the transfer header's groups must be a list of non-empty lists")
+        parsed = []
+        for group in groups:
+            entries = []
+            for entry in group:
+                ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                ok = ok and isinstance(entry[1], list) and len(entry[1]) <= 8
+                ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry[1])
+                if not ok:
+                    raise HeaderError("each tensor of the transfer header is [name, [dims...]] with 0 <= dim < 2^40")
+                entries.append((entry[0], tuple(entry[1])))
+            parsed.append(entries)
+        return cls(step, data["dtype"], parsed)
+
+
+def max_header_bytes(expected: dict) -> int:
+    """The largest header that can describe the served model (`expected`: name -> spec): every name and shape, twice
+    over, plus room for the fields. A receiver refuses a larger size before allocating it."""
+    return 2 * len(json.dumps(expected)) + 4096
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names grouped per decoder layer (`...layers.<i>....`), the names of no layer first, order kept within a group."""
+    rest, layers = [], {}
+    for name in names:
+        m = LAYER.search(name)
+        if m is None:
+            rest.append(name)
+        else:
+            layers.setdefault(int(m.group(1)), []).append(name)
+    return ([rest] if rest else []) + [layers[i] for i in sorted(layers)]
+
+
+def send_header(group, header: Header, device: torch.device, timeout: float) -> None:
+    raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=device), timeout)
+    _broadcast(group, raw.to(device), timeout)
+
+
+def receive_header(group, device: torch.device, limit: int, timeout: float) -> Header:
+    """The header rank 0 sends; `HeaderError` for a size outside 1..`limit` bytes or contents `Header.decode`
+    refuses. After a bad size this member is out of step with the group: the caller drops the group."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    _broadcast(group, size, timeout)
+    n = int(size.item())
+    if not 0 < n <= limit:
+        raise HeaderError(f"a transfer header of {n} bytes is outside 1..{limit}, what the served model can need")
+    raw = torch.empty(n, dtype=torch.uint8, device=device)
+    _broadcast(group, raw, timeout)
+    return Header.decode(raw.cpu().numpy().tobytes())
+
+
+def send_tensors(group, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, timeout: float) -> None:
+    """One group's tensors as one flat buffer (cast to `dtype`), in the header's order."""
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
+    _broadcast(group, flat, timeout)
+
+
+def receive_tensors(group, header: Header, device: torch.device, timeout: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the transfer, one group's buffer at a time (a fresh buffer per group: the
+    consumer may keep views of a group until its layer is complete)."""
+    dtype = getattr(torch, header.dtype)
+    for names_shapes in header.groups:
+        numel = sum(math.prod(shape) for _, shape in names_shapes)
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        _broadcast(group, flat, timeout)
+        offset = 0
+        for name, shape in names_shapes:
+            n = math.prod(shape)
+            yield name, flat[offset : offset + n].view(shape)
+            offset += n
