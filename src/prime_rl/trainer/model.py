@@ -145,8 +145,9 @@ def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World
     """The FSDP2-sharded model, fp32 master weights, with the chunked log-prob head as its output layer.
 
     Each rank reads only its shards from the safetensors files. A checkpoint whose names or shapes are not
-    the model's (architectures transformers converts on load) is loaded by `from_pretrained` on rank 0 and
-    scattered; so are seeded random weights (`random_init`: every rank would draw the same).
+    the model's (architectures transformers converts on load), or that some rank cannot read, is loaded by
+    `from_pretrained` on rank 0 and scattered; so are seeded random weights (`random_init`: every rank would draw
+    the same). `checkpoint_plan` makes every rank take the same of the two paths.
     """
     kwargs = dict(dtype=torch.float32, attn_implementation=config.attn, trust_remote_code=config.trust_remote_code)
     with parameters_on_meta():
@@ -160,7 +161,7 @@ def build_model(config: TrainerModelConfig, arch: PreTrainedConfig, world: World
         except ValueError as e:
             raise SetupError(str(e)) from None
     tie_output_embeddings(model)
-    plan = None if config.random_init else checkpoint_plan(model, config.name)
+    plan = None if config.random_init else checkpoint_plan(model, config.name, world)  # the same on every rank
     if config.lora is not None:  # only the adapters train (`lora.py`); FSDP2 reads requires_grad when it shards
         model.requires_grad_(False)
 
