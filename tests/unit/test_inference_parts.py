@@ -417,7 +417,7 @@ def test_a_broadcast_checks_the_server_setup_the_ranks_and_the_trainer_session_b
     os.environ[SECRET_VAR] = "another-secret-" + "0" * 20  # monkeypatched by the fixture: restored after the test
     client, _ = admin_app(tmp_path / "d", engine, broadcast=trainer_store.settings)
     r = client.post("/update_weights", json={"broadcast": spec})
-    assert r.status_code == 502 and "run secret differs" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "refused our run secret" in r.json()["error"]["message"]
     assert engine.calls == [] and not engine.paused
 
 

@@ -349,23 +349,27 @@ class StoreClient:
             raise
 
     def _handshake(self, key: bytes) -> _Channel:
+        stage = "hello"
         try:
             hello = _recv_exact(self.sock, len(MAGIC) + NONCE_BYTES)
             if not hello.startswith(MAGIC):
                 raise StoreAuthError(f"{self.address} is not a prime-rl weight-broadcast store")
             server_nonce, client_nonce = hello[len(MAGIC) :], os.urandom(NONCE_BYTES)
             self.sock.sendall(client_nonce + _mac(key, b"client", server_nonce, client_nonce))
+            stage = "proof"
             proof = _recv_exact(self.sock, MAC_BYTES)
         except TimeoutError:
             raise StoreTimeout(
                 f"the weight-broadcast store at {self.address} did not authenticate within "
                 f"{self.sock.gettimeout():g} s (is this address trainer rank 0's store?)"
             ) from None
-        except ConnectionError:
-            raise StoreAuthError(
-                f"the weight-broadcast store at {self.address} closed the connection while authenticating: its run "
-                "secret differs from ours (PRIME_RL_SECRET must be the same for trainer, orchestrator and servers)"
-            ) from None
+        except ConnectionError as e:
+            if stage == "proof":  # it read our answer to its challenge and hung up: it holds another secret
+                raise StoreAuthError(
+                    f"the weight-broadcast store at {self.address} refused our run secret (PRIME_RL_SECRET must be "
+                    "the same for trainer, orchestrator and servers)"
+                ) from None
+            raise StoreUnavailable(f"the weight-broadcast store at {self.address} closed the connection ({e})") from None
         except OSError as e:
             raise StoreUnavailable(f"weight-broadcast store at {self.address}: {e}") from None
         if not hmac.compare_digest(proof, _mac(key, b"server", server_nonce, client_nonce)):
