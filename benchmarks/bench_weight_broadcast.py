@@ -42,6 +42,7 @@ from prime_rl.trainer.distributed import init_distributed
 from prime_rl.trainer.scaffold import build_run, load_tokenizer
 from prime_rl.trainer.train import publish, wait_until
 from prime_rl.utils.net import free_port
+from prime_rl.utils.secret import SECRET_VAR, new_secret
 
 SIZES = {
     "0.4m": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256),
@@ -61,11 +62,14 @@ def bench_size(size: str, steps: int, root: Path) -> dict:
     params = sum(math.prod(shape) for shape in safetensors_shapes(base).values())
     out = root / "out"
     extra = ["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root)]
+    port = free_port()  # the trainer's store: the server's own config says where it is
+    extra += ["--weight-broadcast.type", "gloo", "--weight-broadcast.port", str(port)]
+    os.environ.setdefault(SECRET_VAR, new_secret())  # the run secret, shared with the server by the environment
     server = InferenceServer(base, root / "server", extra=extra, api_key="bench")
     os.environ[KEY_VAR] = "bench"
     try:
         server.wait_healthy(timeout=1200)
-        broadcast = WeightBroadcastConfig(type="gloo", port=free_port(), timeout=300)
+        broadcast = WeightBroadcastConfig(type="gloo", port=port, timeout=300)
         config = TrainerConfig(model={"name": str(base)}, output_dir=out, weight_broadcast=broadcast)
         world = init_distributed()
         run = build_run(config, world, "trainer", None, "benchmarking")
@@ -107,10 +111,11 @@ def bench_size(size: str, steps: int, root: Path) -> dict:
                     new_weights()
                     times[kind].append(await swap(2 * i if kind == "filesystem" else 2 * i + 1))
             await filesystem.close()
-            await in_memory.close()
+            await in_memory.close(finished=True)
             return times
 
         times = asyncio.run(measure())
+        sender.close()
         return {"size": size, "params": params, "startup": server.startup_seconds, **times}
     finally:
         server.stop()

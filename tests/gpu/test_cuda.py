@@ -93,43 +93,49 @@ def test_chunked_logprobs_keep_peak_memory_flat_at_qwen3_vocab_and_16k_tokens():
     assert extra < 4.0  # chunk logits (1024 x vocab, a few fp32 copies) + the fp32 weight gradient (0.6 GiB)
 
 
-def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path):
+def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, monkeypatch):
     """Checklist 5: the trainer side of the NCCL transfer; a second process on the same GPU receives as a vLLM worker
     would (`prime_rl.weight_broadcast`), and gets exactly the trainer's parameters in bf16."""
     from prime_rl.utils.net import free_port
 
+    monkeypatch.setenv("PRIME_RL_SECRET", "gpu-test-secret-0123456789")  # the sender's; the receiver names it
     port = free_port()
     receiver = """
     import sys, time, torch
-    from prime_rl.weight_broadcast import agree, connect_store, join_group, reachable, receive_header, receive_tensors
+    from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
+    from prime_rl.weight_broadcast.store import StoreClient, StoreError
     port, out = int(sys.argv[1]), sys.argv[2]
-    while not reachable("127.0.0.1", port):  # the sender starts its store
-        time.sleep(0.2)
-    store = connect_store("127.0.0.1", port, 60)
-    store.wait(["session"])
-    session = store.get("session").decode()
-    group = join_group(store, session, 1, 1, 2, "nccl", 60)
+    deadline = time.monotonic() + 120
+    while True:  # the sender starts its store
+        try:
+            store = StoreClient("127.0.0.1", port, "gpu-test-secret-0123456789", 60)
+            break
+        except StoreError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert read_session(store, 60)["backend"] == "nccl"
+    group = join_group(store, "ab" * 16, 1, 2, "nccl", 60)
     device = torch.device("cuda", 0)
-    header = receive_header(group, device)
-    agree(group, True, device)
-    torch.save({n: t.cpu() for n, t in receive_tensors(group, header, device)}, out)
+    header = receive_header(group, device, 1 << 20, 60)
+    agree(group, True, device, 60)
+    torch.save({n: t.cpu() for n, t in receive_tensors(group, header, device, 60)}, out)
     """
     sender = """
     import json, sys, torch
-    from types import SimpleNamespace
     from prime_rl.config import WeightBroadcastConfig
     from prime_rl.trainer.broadcast import WeightSender
     from prime_rl.trainer.distributed import init_distributed
-    from prime_rl.weight_broadcast import request_key, served_key, set_json
+    from prime_rl.weight_broadcast.protocol import REQUEST, Request, served_key
     world = init_distributed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
     sender = WeightSender(WeightBroadcastConfig(type="nccl", port=int(sys.argv[1]), timeout=60), world)
     sender.publish(1)
-    set_json(sender.store, request_key(1), {"generation": 1, "world_size": 2})
+    sender.table.set(REQUEST, Request("cd" * 16 + "-1", "ab" * 16, 2).encode())
     sender.serve(model, torch.bfloat16)
-    print("SERVED", sender.store.get(served_key(1)).decode())
+    print("SERVED", sender.table.get(served_key("cd" * 16 + "-1"), 0).decode())
     torch.save({n: p.detach().to(torch.bfloat16).cpu() for n, p in model.named_parameters()}, sys.argv[2])
+    sender.close()
     """
     (tmp_path / "receiver.py").write_text(textwrap.dedent(receiver))
     recv = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), str(port), str(tmp_path / "got.pt")])

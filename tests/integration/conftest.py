@@ -9,6 +9,7 @@ carries Qwen3's sampling defaults in generation_config.json, as real checkpoints
 import asyncio
 import json
 import re
+import secrets
 from pathlib import Path
 
 import httpx
@@ -18,8 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.inference.process import InferenceServer
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
+from prime_rl.utils.net import free_port
+from prime_rl.utils.secret import SECRET_VAR
 
 API_KEY = "test-key"
+RUN_SECRET = "integration-run-secret-" + secrets.token_hex(16)
+"""The run secret the shared server and the stand-in trainers of the broadcast tests hold."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QWEN3_SAMPLING_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
 PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistant\n"
@@ -39,13 +44,19 @@ def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:
     perturb_weights(base, root / "step_1", scale=8.0)
     extra = ["--model.enforce-eager", "--model.max-model-len", "512", "--allowed-weight-roots", str(root)]
     extra += LORA_FLAGS if lora else []
-    srv = InferenceServer(base, root / "out", extra=extra + ["--max-num-seqs", "48"], api_key=API_KEY)
+    # It receives broadcasts from whichever stand-in trainer a test starts on this port (one at a time).
+    broadcast_port = free_port()
+    extra += ["--weight-broadcast.type", "gloo", "--weight-broadcast.port", str(broadcast_port)]
+    extra += ["--weight-broadcast.timeout", "60"]
+    srv = InferenceServer(
+        base, root / "out", extra=extra + ["--max-num-seqs", "48"], api_key=API_KEY, env={SECRET_VAR: RUN_SECRET}
+    )
     try:
         srv.wait_healthy()
     except BaseException:
         srv.stop()
         raise
-    srv.root, srv.base, srv.step_1 = root, base, root / "step_1"
+    srv.root, srv.base, srv.step_1, srv.broadcast_port = root, base, root / "step_1", broadcast_port
     srv.tokenizer = AutoTokenizer.from_pretrained(base)
     srv.prompt_ids = srv.tokenizer.encode(PROMPT)
     return srv
@@ -67,10 +78,11 @@ def verifiers_loop():
     loop.close()
 
 
-def requests_running(url: str) -> float:
-    """vLLM's own gauge of requests being generated (`/metrics` needs no API key); 0 when the server does not answer."""
+def requests_running(url: str, key: str = API_KEY) -> float:
+    """vLLM's own gauge of requests being generated (`/metrics`, behind the key like every route); 0 when the server
+    does not answer."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=5).text
     except httpx.TransportError:
         return 0.0
     return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([\d.e+]+)$", text, re.M))

@@ -491,7 +491,7 @@ def load_adapter(srv, name: str, path: Path, **extra) -> httpx.Response:
 
 def prefix_cache_hits(srv) -> float:
     """Prompt tokens served from the prefix cache so far (vLLM's counter)."""
-    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    text = httpx.get(f"{srv.url}/metrics", headers=srv.headers, timeout=10).text
     return sum(float(m) for m in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([\d.e+]+)$", text, re.M))
 
 

@@ -17,8 +17,8 @@ RENDERER = '{"name": "qwen3", "enable_thinking": false}'
 
 
 def requests_finished(url: str) -> float:
-    """vLLM's own count of finished requests, over every finish reason (`/metrics` needs no API key)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    """vLLM's own count of finished requests, over every finish reason (`/metrics` needs the key like every route)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} ([\d.e+]+)$", text, re.M))
 
 

@@ -30,10 +30,12 @@ from rl_run import started_pid, write_rl_config
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.utils.net import free_port
 from prime_rl.utils.processes import die_with_parent
+from prime_rl.utils.secret import SECRET_VAR
 
 RL = str(Path(sys.executable).parent / "rl")
 STEPS, K = 500, 1  # a bound: the test stops the run once the restarted server has rejoined and served
 NAMES = ["inference-a", "inference-b", "orchestrator", "node0", "node1"]
+KEY = "multi-host-key"
 
 
 def write_config(path: Path, model: Path, out: Path, port: int, broadcast_port: int, node0: str) -> Path:
@@ -185,7 +187,14 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     port, master_port = free_port(), free_port()
     config = write_config(tmp_path / "rl.toml", model, out, port, free_port(), addr["node0"])
     ifname = "eth0" if network.kind == "netns" else "lo"
-    base = {**os.environ, "INFERENCE_SERVER_API_KEY": "multi-host-key", "GLOO_SOCKET_IFNAME": ifname}
+    # The same run secret on every host (the SLURM script and the chart provide it): the trainer's store refuses
+    # anyone without it.
+    base = {
+        **os.environ,
+        "INFERENCE_SERVER_API_KEY": KEY,
+        "GLOO_SOCKET_IFNAME": ifname,
+        SECRET_VAR: "five-hosts-" + "7" * 32,
+    }
     trainer = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "2", "--deployment.run-id", "t1"]
     trainer += ["--deployment.master-port", str(master_port)]
 
@@ -212,7 +221,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
         # leaves nothing behind. (The kill waits for requests running on b; they may still finish first.)
         b_tree = [psutil.Process(server_b.proc.pid), *psutil.Process(server_b.proc.pid).children(recursive=True)]
         b_url = f"http://{addr['inference-b']}:{port}"
-        wait_until(lambda: requests_running(b_url) > 0, 120, "requests in flight on inference-b", hosts)
+        wait_until(lambda: requests_running(b_url, KEY) > 0, 120, "requests in flight on inference-b", hosts)
         psutil.Process(started_pid(server_b.console, "inference")).kill()
         killed_at = time.monotonic()
         code = server_b.proc.wait(60)
@@ -253,7 +262,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     after = b_log.read_bytes()[before:].decode(errors="replace")
     requests = re.findall(r'"POST (/update_weights|/inference/v1/generate|/v1/chat/completions) HTTP', after)
     assert requests and requests[0] == "/update_weights", requests[:5]
-    assert "joined weight broadcast generation" in after and "from a broadcast" in after, after[-3000:]
+    assert "joined weight-broadcast group" in after and "from a broadcast" in after, after[-3000:]
     assert "/inference/v1/generate" in requests or "/v1/chat/completions" in requests  # and then got work
     # Per-host files in the shared dir: one log per server, one console per trainer node.
     logs = {p.name for p in (out / "logs").iterdir()}

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY
+from conftest import API_KEY, RUN_SECRET
 from test_inference_server import admin, generate
 
 from prime_rl.config import WeightBroadcastConfig
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.broadcast import BroadcastClient, TrainerGone
 from prime_rl.orchestrator.servers import InferenceServers, ServerError
-from prime_rl.utils.net import free_port
+from prime_rl.utils.secret import SECRET_VAR
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,7 @@ KEY_VAR = "PRIME_TEST_BROADCAST_KEY"
 
 
 def start_sender(port: int, steps: dict[int, Path], *args: str, log: Path) -> subprocess.Popen:
+    """The stand-in trainer on `port`: the shared server's configured store address (one sender at a time)."""
     cmd = [sys.executable, str(SENDER), "--port", str(port), *args, *(f"{s}={d}" for s, d in steps.items())]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
@@ -53,11 +54,14 @@ def outputs(srv) -> list[dict]:
 
 @pytest.fixture
 def key(monkeypatch):
+    """The server's API key for our admin client, and the run secret for the stand-in trainer and our store client."""
     monkeypatch.setenv(KEY_VAR, API_KEY)
+    monkeypatch.setenv(SECRET_VAR, RUN_SECRET)
 
 
 def test_a_broadcast_serves_exactly_what_a_filesystem_swap_of_the_same_weights_serves(tied_server, tmp_path, key):
-    srv, port, log = tied_server, free_port(), tmp_path / "sender.log"
+    srv, log = tied_server, tmp_path / "sender.log"
+    port = srv.broadcast_port
     sender = start_sender(port, {1: srv.step_1}, log=log)
     servers = servers_for(srv, port, tmp_path)
 
@@ -69,7 +73,7 @@ def test_a_broadcast_serves_exactly_what_a_filesystem_swap_of_the_same_weights_s
             seconds = await servers.load_policy(1)
             assert servers.version == 1 and servers.healthy() == [f"{srv.url}/v1"], seconds
         finally:
-            await servers.close()  # tells the sender we are done
+            await servers.close(finished=True)  # tells the sender we are done
 
     assert admin(srv, "reload_weights").status_code == 200  # other tests may have left other weights
     base = outputs(srv)
@@ -91,7 +95,8 @@ def test_a_trainer_dying_mid_transfer_leaves_nothing_served_under_the_new_label(
     """The trainer dies after sending the first layer buffer of step 2: the server cannot restore step 1 (it came by
     broadcast), so it serves nothing (503) until given weights again, and the orchestrator learns within seconds that
     the trainer is gone."""
-    srv, port, log = tied_server, free_port(), tmp_path / "sender.log"
+    srv, log = tied_server, tmp_path / "sender.log"
+    port = srv.broadcast_port
     sender = start_sender(port, {1: srv.step_1, 2: srv.base}, "--die-in-step", "2", "--die-after-groups", "1", log=log)
     servers = servers_for(srv, port, tmp_path)
     health = f"{srv.url}/health"
@@ -108,7 +113,7 @@ def test_a_trainer_dying_mid_transfer_leaves_nothing_served_under_the_new_label(
                 await servers.load_policy(2)
             return time.monotonic() - start  # the orchestrator stops on this: no trainer, no run
         finally:
-            await servers.close()
+            await servers.close(finished=True)
 
     try:
         elapsed = asyncio.run(scenario())
@@ -127,7 +132,8 @@ def test_a_trainer_dying_mid_transfer_leaves_nothing_served_under_the_new_label(
 
 
 def test_weights_that_do_not_fit_the_model_are_refused_before_anything_changes(tied_server, tmp_path, key):
-    srv, port, log = tied_server, free_port(), tmp_path / "sender.log"
+    srv, log = tied_server, tmp_path / "sender.log"
+    port = srv.broadcast_port
     other = build_tiny_model(TinyModelConfig(output=tmp_path / "wider", hidden_size=96))
     sender = start_sender(port, {1: other}, log=log)
     servers = servers_for(srv, port, tmp_path)
@@ -140,7 +146,7 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_anything_changes(t
             with pytest.raises(ServerError, match="422.*broadcast refused.*shapes differ"):
                 await servers.load_policy(1)
         finally:
-            await servers.close()
+            await servers.close(finished=True)
 
     try:
         asyncio.run(scenario())

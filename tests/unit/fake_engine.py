@@ -69,6 +69,13 @@ class FakeEngine:
             return [["o_proj", "q_proj"]]
         if method == "prime_broadcast_join":
             self.calls.append((method, args[1]["group"]))
+            assert not self.paused, "joining must not pause generation"
+            self.polls = 0
+            return [None]
+        if method == "prime_broadcast_joined":
+            self.polls += 1
+            if self.polls < 3:
+                return [None]  # still joining: the swapper polls
             if isinstance(self.receive, Exception):
                 raise self.receive
             return [self.receive]

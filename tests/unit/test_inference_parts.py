@@ -588,3 +588,12 @@ def test_inference_refuses_a_port_another_server_holds(tmp_path):
     finally:
         holder.close()
     assert not port_in_use("127.0.0.1", port)
+
+
+def test_the_api_key_never_reaches_the_log():
+    from prime_rl.inference.server import masked
+
+    args = InferenceConfig(server={"api_key": "s3cret"}).vllm_args() + ["--api-key=other", "--seed", "1"]
+    assert "s3cret" in args  # vLLM gets it in-process (not on a command line)
+    shown = " ".join(masked(args))
+    assert "s3cret" not in shown and "other" not in shown and "--api-key ***" in shown and "--seed 1" in shown

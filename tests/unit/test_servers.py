@@ -100,3 +100,36 @@ def test_adapter_mode_against_a_server_without_lora_fails_naming_it(tmp_path):
     for step in (0, 1):
         with pytest.raises(ServerError, match="409.*not enabled on this server"):
             asyncio.run(load(step))
+
+
+def test_a_server_that_returns_after_its_policy_was_pruned_moves_everyone_to_the_newest(tmp_path):
+    """The servers serve step 3; one of them failed and comes back after the trainer pruned step 3 from disk (it
+    keeps only what inference may still need). Loading step 3 would get a 404, which ended the whole run; instead
+    every server moves to the newest published policy, step 5 (newer is never too old)."""
+    from fake_engine import SHAPES, make_dir
+
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    out = tmp_path / "run"
+    for step in (4, 5):
+        make_dir(out / "broadcasts" / f"step_{step}", SHAPES)
+        (out / "broadcasts" / f"step_{step}" / "STABLE").touch()
+    url = "http://server/v1"
+
+    async def scenario() -> None:
+        servers = connect(InferenceServers([url], "NO_SUCH_KEY_VAR", 5, out), client.app, url)
+        try:
+            servers.version = 3  # step 3's directory is gone
+            servers.mark_failed(url, "a test")
+            await servers.recovering[url]
+            assert servers.fatal is None, servers.fatal
+            assert servers.version == 5 and servers.healthy() == [url]
+        finally:
+            await servers.close()
+
+    asyncio.run(scenario())
+    assert swapper.version == "step_5"
+    assert engine.calls[-2:] == [
+        ("prime_load_weights", str((out / "broadcasts" / "step_5").resolve())),
+        ("version", "step_5"),
+    ]

@@ -176,9 +176,9 @@ class WeightSwapper:
         expected = {name: [s.dtype, list(s.shape)] for name, s in self.expected.items()}
         async with self.lock:
             start = time.perf_counter()
-            results = await self.engine.collective_rpc(
-                "prime_broadcast_join", args=(self.broadcast, spec.model_dump(), expected)
-            )
+            await self.engine.collective_rpc("prime_broadcast_join", args=(self.broadcast, spec.model_dump(), expected))
+            while None in (results := await self.engine.collective_rpc("prime_broadcast_joined")):
+                await asyncio.sleep(0.005)  # each worker bounds its join by the broadcast timeout
             for result in results:
                 if "refused" in result:
                     raise BroadcastRefused(result["refused"])
@@ -212,7 +212,7 @@ class WeightSwapper:
             if self.unknown is None:
                 await self.engine.resume_generation()
         seconds = time.perf_counter() - start
-        logger.info(f"serving weights {version} from {source or 'a broadcast'} (swap took {seconds:.3f}s)")
+        logger.info(f"serving weights {version} from {str(source) if source else 'a broadcast'!r} ({seconds:.3f}s)")
         return seconds, version
 
     async def _restore(self, load_error: Exception) -> None:

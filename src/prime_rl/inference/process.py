@@ -16,7 +16,8 @@ INFERENCE = str(Path(sys.executable).parent / "inference")
 
 
 class InferenceServer(Process):
-    """`inference` on `model_dir`, on a free port (or `port`), logging to `{output_dir}/server.out`."""
+    """`inference` on `model_dir`, on a free port (or `port`), logging to `{output_dir}/server.out`; `env` is added to
+    this process's environment."""
 
     def __init__(
         self,
@@ -26,6 +27,7 @@ class InferenceServer(Process):
         api_key: str | None = None,
         port: int | None = None,
         log_name: str = "server.out",
+        env: dict[str, str] | None = None,
     ):
         self.model_dir, self.extra, self.api_key = Path(model_dir), list(extra), api_key
         self.port = port or free_port()
@@ -36,7 +38,7 @@ class InferenceServer(Process):
         if api_key:
             cmd += ["--server.api-key", api_key]
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        super().__init__("inference", cmd, os.environ.copy(), self.output_dir / log_name)
+        super().__init__("inference", cmd, {**os.environ, **(env or {})}, self.output_dir / log_name)
         self.started = time.perf_counter()
         self.start()
         self.startup_seconds: float | None = None

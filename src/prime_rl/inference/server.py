@@ -49,6 +49,12 @@ def _check_passthrough(config: InferenceConfig, extra: list[str]) -> None:
     build_vllm_args(config, extra)
 
 
+def masked(args: list[str]) -> list[str]:
+    """`args` with the value of every `--api-key` hidden, for the log."""
+    return ["***" if i and args[i - 1] == "--api-key" else a.split("=")[0] + "=***" if a.startswith("--api-key=") else a
+            for i, a in enumerate(args)]  # fmt: skip
+
+
 def _enable_plugin() -> None:
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if PLUGIN_NAME not in plugins:
@@ -63,6 +69,15 @@ def main(argv: list[str] | None = None) -> None:
             f"inference: error: port {config.server.port} on {config.server.host} is already in use (another server?); "
             "a second vLLM on it would share its connections with the first: pick another with --server.port"
         )
+    from prime_rl.inference.plugin import open_access_problem, server_tokens
+
+    try:
+        tokens = server_tokens(build_vllm_args(config, extra))
+        problem = open_access_problem(config.server.host, tokens, config.server.allow_unauthenticated)
+    except SecretError as e:
+        problem = str(e)
+    if problem is not None:
+        raise SystemExit(f"inference: error: {problem}")
     # Environment for vLLM, set before it reads its settings (and inherited by its engine processes).
     _enable_plugin()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
@@ -79,17 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     from loguru import logger
 
     path = write_resolved_config(config, "inference")
-    logger.info(f"resolved config written to {path}; vLLM args: {' '.join(config.vllm_args() + extra)}")
-    from prime_rl.inference.plugin import open_access_problem, server_tokens
-
+    logger.info(f"resolved config written to {path}; vLLM args: {' '.join(masked(config.vllm_args() + extra))}")
     cli_env_setup()
     args = build_vllm_args(config, extra)
-    try:
-        problem = open_access_problem(config.server.host, server_tokens(args), config.server.allow_unauthenticated)
-    except SecretError as e:
-        problem = str(e)
-    if problem is not None:
-        raise SystemExit(f"inference: error: {problem}")
     logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
     del uvloop  # ServeSubcommand runs its own event loop
     ServeSubcommand.cmd(args)

@@ -4,6 +4,8 @@ Names carry a `prime_` prefix: vLLM 0.32 workers already define `update_weights`
 """
 
 import os
+import threading
+from concurrent.futures import Future
 
 from loguru import logger
 
@@ -16,14 +18,35 @@ class WeightSwapExtension:
             raise FileNotFoundError(f"weight directory {weight_dir} does not exist")
         self._prime_reload(weights_path=weight_dir)
 
-    def prime_broadcast_join(self, settings: dict, spec: dict, expected: dict) -> dict:
-        """First half of receiving a broadcast, while generation goes on: join the trainer's group `spec` names (or
-        reuse it), receive the header and say in the group's all-reduce whether it fits the served model.
+    def prime_broadcast_join(self, settings: dict, spec: dict, expected: dict) -> None:
+        """First half of receiving a broadcast: start joining the trainer's group `spec` names (or reusing it),
+        receiving the header and saying in the group's all-reduce whether it fits the served model, in a thread, and
+        return at once. An RPC blocks the engine's loop, so a trainer slow to send its header would stall generation;
+        in a thread it does not. `prime_broadcast_joined` collects the outcome.
 
         `settings`: the server's own `weight_broadcast` config (the store's address comes from there, never from a
-        request); `expected`: the served model's tensors. Returns {"step": n} when every member accepted (the
-        weights follow: `prime_broadcast_load`); {"refused": why} when the header does not fit (every member then
-        stops, before any weight changed); {"not_started": why} when joining or the header failed."""
+        request); `expected`: the served model's tensors."""
+        stale = self.__dict__.pop("_prime_joining", None), self.__dict__.pop("_prime_pending", None)
+        if any(x is not None for x in stale):
+            self._prime_drop_group("an earlier transfer was joined but never loaded")
+        joining = self._prime_joining = Future()
+        threading.Thread(
+            target=self._prime_join, args=(settings, spec, expected, joining), name="prime-broadcast-join", daemon=True
+        ).start()
+
+    def prime_broadcast_joined(self) -> dict | None:
+        """The join's outcome, once it is done (None while it runs): {"step": n} when every member accepted the header
+        (the weights follow: `prime_broadcast_load`); {"refused": why} when the header does not fit or is malformed
+        (every member stopped before any weight changed); {"not_started": why} when joining or the header failed."""
+        joining = self.__dict__.get("_prime_joining")
+        if joining is None:
+            return {"not_started": "no transfer is being joined"}
+        if not joining.done():
+            return None
+        del self._prime_joining
+        return joining.result()
+
+    def _prime_join(self, settings: dict, spec: dict, expected: dict, joining: Future) -> None:
         from prime_rl.inference.weights import header_problem
         from prime_rl.weight_broadcast.protocol import (
             HeaderError,
@@ -33,25 +56,30 @@ class WeightSwapExtension:
             receive_header,
         )
 
-        if self.__dict__.pop("_prime_pending", None) is not None:
-            self._prime_drop_group("the previous transfer was joined but never loaded")
         device = buffer_device(settings["type"], self.device)
         timeout = settings["timeout"]
         try:
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(device)  # this thread's collectives run on the worker's GPU
             group = self._prime_group(settings, spec)
             header = receive_header(group, device, max_header_bytes(expected), timeout)
             problem = header_problem(header, expected)
             accepted = agree(group, problem is None, device, timeout)
         except HeaderError as e:  # out of step with the group now: nothing more can be received on it
             self._prime_drop_group(str(e))
-            return {"refused": str(e)}
+            joining.set_result({"refused": str(e)})
+            return
         except Exception as e:
             self._prime_drop_group(f"{type(e).__name__}: {e}")
-            return {"not_started": f"{type(e).__name__}: {e}"}
+            joining.set_result({"not_started": f"{type(e).__name__}: {e}"})
+            return
         if not accepted:
-            return {"refused": problem or "another member of the group refused the weights"}
+            joining.set_result({"refused": problem or "another member of the group refused the weights"})
+            return
         self._prime_pending = (group, header, device, timeout)
-        return {"step": header.step}
+        joining.set_result({"step": header.step})
 
     def prime_broadcast_load(self) -> None:
         """Second half, with generation paused: reload every weight in place from the group, layer by layer as the

@@ -235,7 +235,7 @@ class InferenceServers:
         trainer's current policy, or the newest one on disk, to every healthy server and this one (so all serve the
         same, maybe newer, policy)."""
         on_disk = self.version == 0 or (self.weight_dir(self.version) / "STABLE").exists()
-        if on_disk:
+        if on_disk or (self.broadcast is None and self.weight_dir(self.version).exists()):
             await self._load_on(url, self.version)
         elif self.broadcast is not None:
             self._settle(await self._broadcast_to([*self.healthy(), url]), recovering=url)
