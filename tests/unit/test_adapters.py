@@ -3,11 +3,13 @@ machine and replies (the real engine: tests/integration/test_inference_server.py
 
 import asyncio
 import json
+import os
 
 import pytest
 import torch
 from fake_engine import BASE_NAME, LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
 
+from prime_rl.inference import weights
 from prime_rl.inference.adapters import check_adapter_dir
 from prime_rl.inference.plugin import MAX_BODY_BYTES
 from prime_rl.inference.weights import TensorSpec, WeightDirError
@@ -49,7 +51,7 @@ def test_adapter_dir_checks(tmp_path):
         ),
         "rank 4 (adapter_config r 2": write_adapter(root / "rank_mismatch", lora_tensors(rank=4), rank=2),
         "not `base_model.model.<layer>.lora_A/lora_B.weight`": write_adapter(
-            root / "embedding", {**lora_tensors(), "base_model.model.embed.lora_embedding_A": torch.zeros(2, 10)}
+            root / "bias_tensor", {**lora_tensors(), "base_model.model.layers.0.q_proj.lora_B.bias": torch.zeros(6)}
         ),
         "are not floats": write_adapter(root / "ints", {k: v.to(torch.int32) for k, v in lora_tensors().items()}),
         "peft_type is 'IA3'": write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
@@ -76,6 +78,156 @@ def test_adapter_dir_checks(tmp_path):
     assert "not a readable safetensors file" in refusal(corrupt, [root]).message
     for status in [refusal(p, [root]).status for p in (root / "no_config", no_weights, bad_json, corrupt)]:
         assert status == 422
+
+
+SECRET = "outside-secret-value"
+
+
+def outside_adapter(tmp_path):
+    """An adapter outside the roots whose config holds a value no reply may show."""
+    return write_adapter(tmp_path / "elsewhere" / "adapter", lora_tensors(), peft_type=SECRET)
+
+
+def test_adapter_files_must_resolve_inside_the_roots(tmp_path):
+    """The directory was checked against the roots, its files were not: symlinks in it to an adapter elsewhere loaded
+    that adapter, and a linked config's values were echoed. Now each file is resolved and checked, unopened."""
+    root = tmp_path / "run"
+    good = write_adapter(root / "good", lora_tensors())
+    foreign = outside_adapter(tmp_path)
+    for linked in ("adapter_config.json", "adapter_model.safetensors"):
+        directory = root / f"linked_{linked.split('.')[0]}"
+        directory.mkdir(parents=True)
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            (directory / file).symlink_to((foreign if file == linked else good) / file)
+        e = refusal(directory, [root])
+        assert e.status == 403 and f"{linked} resolves outside the allowed roots" in e.message, e.message
+        assert SECRET not in e.message and "elsewhere" not in e.message
+    # A dangling link out of the roots: refused the same way (its target is not even looked at).
+    dangling = root / "dangling_out"
+    dangling.mkdir()
+    (dangling / "adapter_config.json").symlink_to(tmp_path / "elsewhere" / "missing.json")
+    assert refusal(dangling, [root]).status == 403
+    # Links that stay inside the roots are fine (a hub-cache layout: files link to blobs next to them).
+    blobs = root / "blobs"
+    blobs.mkdir()
+    cached = root / "snapshot"
+    cached.mkdir()
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        os.replace(write_adapter(root / f"src_{file}", lora_tensors()) / file, blobs / file)
+        (cached / file).symlink_to(f"../blobs/{file}")
+    assert check_adapter_dir(str(cached), [root], BASE, 8, MODULES) == cached.resolve()
+    # Not a regular file: a dangling link inside, a directory, a FIFO (opened without blocking).
+    odd = root / "odd"
+    odd.mkdir()
+    (odd / "adapter_config.json").symlink_to(root / "nothing.json")
+    assert "has no adapter_config.json" in refusal(odd, [root]).message
+    (odd / "adapter_config.json").unlink()
+    (odd / "adapter_config.json").mkdir()
+    assert "has no adapter_config.json" in refusal(odd, [root]).message
+    fifo = write_adapter(root / "fifo", lora_tensors())
+    (fifo / "adapter_model.safetensors").unlink()
+    os.mkfifo(fifo / "adapter_model.safetensors")
+    assert "has no adapter_model.safetensors" in refusal(fifo, [root]).message
+    # The same outside files copied inside the roots are judged by their contents, which are then theirs to show.
+    copied = write_adapter(root / "copied", lora_tensors(), peft_type=SECRET)
+    assert SECRET in refusal(copied, [root]).message
+
+
+def test_a_link_swapped_in_after_the_path_was_resolved_is_caught(tmp_path, monkeypatch):
+    """The file is resolved, then opened: a symlink swapped into its path in between is caught on the opened file,
+    so what the check reads is what it checked."""
+    root = tmp_path / "run"
+    foreign = outside_adapter(tmp_path)
+    real_resolve = weights.resolve
+
+    def resolve_then_swap(swap):
+        def resolve(path):
+            resolved = real_resolve(path)
+            swap()
+            return resolved
+
+        return resolve
+
+    # A directory on the path replaced by a link out of the roots (the file name stays: opened through the link).
+    adapter = write_adapter(root / "swapped" / "adapter", lora_tensors())
+
+    def swap_dir():
+        if adapter.is_symlink():
+            return
+        os.rename(adapter, root / "swapped" / "moved")
+        adapter.symlink_to(foreign)
+
+    monkeypatch.setattr(weights, "resolve", resolve_then_swap(swap_dir))
+    e = refusal(adapter, [root])
+    assert e.status == 403 and "resolves outside the allowed roots" in e.message and SECRET not in e.message
+
+    # The file itself replaced by a link: not followed.
+    other = write_adapter(root / "file_swapped", lora_tensors())
+
+    def swap_file():
+        config = other / "adapter_config.json"
+        if not config.is_symlink():
+            config.unlink()
+            config.symlink_to(foreign / "adapter_config.json")
+
+    monkeypatch.setattr(weights, "resolve", resolve_then_swap(swap_file))
+    e = refusal(other, [root])
+    assert e.status == 422 and "cannot be opened" in e.message and SECRET not in e.message
+
+
+EMBED_BASE = {
+    **BASE,
+    "model.embed_tokens.weight": TensorSpec("BF16", (10, 4)),  # [vocab, dim]
+    "lm_head.weight": TensorSpec("BF16", (10, 4)),  # [vocab, dim]: a linear layer's [out, in]
+}
+EMBED_MODULES = {*MODULES, "embed_tokens", "lm_head"}
+
+
+def embed_tensors(a_shape=(2, 10), b_shape=(4, 2), peft_names=True, layer="model.embed_tokens") -> dict:
+    a, b = (".lora_embedding_A", ".lora_embedding_B") if peft_names else (".lora_A.weight", ".lora_B.weight")
+    prefix = f"base_model.model.{layer}"
+    return {f"{prefix}{a}": torch.full(a_shape, 0.5), f"{prefix}{b}": torch.full(b_shape, 0.5)}
+
+
+def test_embedding_and_lm_head_adapters_are_checked_in_their_own_orientation(tmp_path):
+    """An input embedding's weight is [vocab, dim]: vLLM takes its LoRA as A [r, vocab], B [dim, r]. Checked as a
+    linear layer's (A [r, dim], B [vocab, r]) a misfit passed and vLLM's worker failed on it (500)."""
+    root = tmp_path / "run"
+
+    def check(name, tensors, modules=EMBED_MODULES, base=EMBED_BASE):
+        return check_adapter_dir(str(write_adapter(root / name, tensors)), [root], base, 8, modules)
+
+    def refused(name, tensors, base=EMBED_BASE) -> str:
+        with pytest.raises(WeightDirError) as e:
+            check(name, tensors, base=base)
+        assert e.value.status == 422 and len(e.value.message) < 1000
+        return e.value.message
+
+    copy = {"base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(10, 4)}
+    assert check("peft", {**lora_tensors(), **embed_tensors(), **copy})  # what PEFT saves: vLLM skips the copy
+    assert check("plain_names", embed_tensors(peft_names=False))
+    assert check("lm_head", embed_tensors((2, 4), (10, 2), peft_names=False, layer="lm_head"))
+
+    linear_way = "do not fit its embedding [10, 4]: A [r, 10], B [4, r]"
+    assert linear_way in refused("linear_way", embed_tensors((2, 4), (10, 2), peft_names=False))
+    assert linear_way in refused("linear_way_peft", embed_tensors((2, 4), (10, 2)))
+    assert linear_way in refused("short_vocab", embed_tensors((2, 9), (4, 2)))
+    assert "lm_head: lora_A (2, 10), lora_B (4, 2) do not fit its weight [10, 4]" in refused(
+        "lm_head_embedding_way", embed_tensors(peft_names=False, layer="lm_head")
+    )
+    assert "rank 9" in refused("rank", embed_tensors((9, 10), (4, 9)))
+    resized = {"base_model.model.model.embed_tokens.base_layer.weight": torch.zeros(12, 4)}
+    assert "(12, 4) is not the served (10, 4) (a resized vocabulary)" in refused(
+        "resized", {**embed_tensors(), **resized}
+    )
+    both_names = {**embed_tensors(), **embed_tensors(peft_names=False)}
+    assert "given twice" in refused("both_names", both_names)
+    assert "are an input embedding's" in refused("misnamed", embed_tensors((2, 4), (6, 2), layer="layers.0.q_proj"))
+    # A tied model stores no lm_head: an adapter for it (or a copy of it) has no layer to apply to.
+    tied = {k: v for k, v in EMBED_BASE.items() if k != "lm_head.weight"}
+    assert "has no layer lm_head" in refused("tied", embed_tensors((2, 4), (10, 2), False, "lm_head"), base=tied)
+    lm_copy = {"base_model.model.lm_head.base_layer.weight": torch.zeros(10, 4)}
+    assert "has no layer lm_head" in refused("tied_copy", {**embed_tensors(), **lm_copy}, base=tied)
 
 
 def adapter_client(tmp_path, engine=None, api_key=None):

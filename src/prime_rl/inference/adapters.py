@@ -176,7 +176,7 @@ def tensor_problem(
             wrong.append(f"{layer}: its weight has shape {weight.shape}, not [out, in]")
             continue
         embedding = is_input_embedding(layer)
-        # vLLM computes x W^T + x A^T B^T for a linear weight W [out, in]; an embedding looks up row t of A^T, B A.
+        # A linear weight W [out, in] computes x W^T + x A^T B^T; an embedding [vocab, dim] adds B A[:, t] to row t.
         inner, out = weight.shape if embedding else reversed(weight.shape)
         if (
             len(a.shape) != 2

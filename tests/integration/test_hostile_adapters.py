@@ -1,0 +1,218 @@
+"""Hostile directories given to the real server's `/load_lora_adapter` (and `/update_weights`): files that are symlinks
+out of the allowed roots, and embedding adapters whose shapes do not fit. Each is refused before vLLM reads it, the
+reply shows nothing of a file outside the roots, and the server keeps serving the same greedy completion with the same
+logprobs. A correctly shaped embedding adapter loads and serves what PEFT computes with it."""
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import make_adapter
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.slow
+
+SECRET = "outside-secret-7f3a"
+"""A value only files outside the allowed roots hold: no reply may contain it."""
+# bf16 serving against a fp32 reference from the same bf16 values (see test_inference_server.py's PERTURBED_ATOL).
+ADAPTER_ATOL = 0.08
+EMBED_KEY = "base_model.model.model.embed_tokens"
+
+
+def admin(srv, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.url}/{route}", json=body, headers=srv.headers, timeout=120)
+
+
+def load(srv, name: str, path: Path) -> httpx.Response:
+    return admin(srv, "load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+
+def generate(srv, model: str | None = None, max_tokens: int = 10, temperature: float = 0.0, seed=None) -> dict:
+    params = {"temperature": temperature, "top_k": -1, "top_p": 1.0, "max_tokens": max_tokens, "logprobs": 1}
+    if seed is not None:
+        params |= {"seed": seed, "ignore_eos": True}
+    body = {"model": model or str(srv.base), "token_ids": srv.prompt_ids, "sampling_params": params}
+    r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
+
+
+def refusal(r: httpx.Response, statuses: tuple[int, ...], *hidden: str) -> str:
+    """The reply is a short error with one of `statuses` that contains none of `hidden`; returns its message."""
+    assert r.status_code in statuses, (r.status_code, r.text[:500])
+    assert len(r.content) < 2000 and r.json()["error"]["code"] == r.status_code
+    for value in hidden:
+        assert value not in r.text, (value, r.text)
+    return r.json()["error"]["message"]
+
+
+def adapters_loaded(srv) -> dict:
+    return httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()["adapters"]
+
+
+@pytest.fixture(scope="module")
+def hostile(tied_server, tmp_path_factory):
+    """The server on its base weights, its greedy completion before any hostile request, a good adapter inside the
+    roots and a directory outside them (holding an adapter of its own). Afterwards: whatever a test loaded is gone."""
+    srv = tied_server
+    assert admin(srv, "reload_weights", {}).status_code == 200
+    outside = tmp_path_factory.mktemp("outside-the-roots")
+    assert not outside.resolve().is_relative_to(srv.root.resolve())
+    inside, _ = make_adapter(srv.base, srv.root / "hostile" / "good", seed=11)
+    foreign, _ = make_adapter(srv.base, outside / "foreign", seed=12)
+    config = json.loads((foreign / "adapter_config.json").read_text())
+    (foreign / "adapter_config.json").write_text(json.dumps({**config, "peft_type": SECRET}))
+    yield srv, generate(srv), inside, foreign, outside
+    for name in adapters_loaded(srv):
+        if name.startswith("hostile"):
+            admin(srv, "unload_lora_adapter", {"lora_name": name})
+    admin(srv, "reload_weights", {})
+
+
+def still_serving(srv, before: dict) -> None:
+    assert generate(srv) == before  # the same tokens and logprobs: nothing about the base model changed
+    assert not [name for name in adapters_loaded(srv) if name.startswith("hostile")]
+
+
+def attempt(srv, name: str, directory: Path) -> httpx.Response:
+    """Load `directory` under `name`; unloaded at once if it loaded (the unfixed server took every case below)."""
+    r = load(srv, name, directory)
+    print(f"{name}: {r.status_code} {r.text[:300]}")
+    if r.status_code == 200:
+        admin(srv, "unload_lora_adapter", {"lora_name": name})
+    return r
+
+
+LINKED = {  # which files of the adapter directory are symlinks to the adapter outside the roots
+    "both": ("adapter_config.json", "adapter_model.safetensors"),
+    "weights": ("adapter_model.safetensors",),
+    "config": ("adapter_config.json",),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINKED))
+def test_adapter_files_symlinked_out_of_the_roots_are_refused(hostile, case):
+    """A directory inside the roots whose files are symlinks to an adapter elsewhere: the directory passed the roots
+    check and its files were read (the foreign adapter loaded, or the outside config's peft_type was echoed)."""
+    srv, before, inside, foreign, outside = hostile
+    directory = srv.root / "hostile" / "links" / case
+    directory.mkdir(parents=True)
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if file in LINKED[case]:
+            (directory / file).symlink_to(foreign / file)
+        else:
+            shutil.copy(inside / file, directory / file)
+    message = refusal(attempt(srv, f"hostile-{case}", directory), (403,), SECRET, str(outside), outside.name)
+    assert "resolves outside the allowed roots" in message
+    still_serving(srv, before)
+
+
+def test_the_same_files_inside_the_roots_are_judged_by_their_contents(hostile):
+    """Copied inside the roots, the outside config is an ordinary bad adapter: its peft_type is then its own to show."""
+    srv, before, _, foreign, _ = hostile
+    copied = shutil.copytree(foreign, srv.root / "hostile" / "copied")
+    assert SECRET in refusal(attempt(srv, "hostile-copied", copied), (422,))
+    still_serving(srv, before)
+
+
+def test_weight_files_symlinked_out_of_the_roots_are_refused(hostile):
+    """/update_weights had the same hole: a directory inside the roots whose files link elsewhere."""
+    srv, before, _, _, outside = hostile
+    elsewhere = shutil.copytree(srv.step_1, outside / "step_1")
+    linked = srv.root / "hostile" / "linked_step"
+    linked.mkdir(parents=True)
+    for file in elsewhere.iterdir():
+        (linked / file.name).symlink_to(file)
+    r = admin(srv, "update_weights", {"weight_dir": str(linked), "version": "hostile"})
+    print(f"update_weights: {r.status_code} {r.text[:300]}")
+    if r.status_code == 200:
+        admin(srv, "reload_weights", {})
+    assert "resolves outside the allowed roots" in refusal(r, (403,), str(outside), outside.name)
+    assert generate(srv) == before
+
+
+def embedding_cases(vocab: int, dim: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Embedding (and lm_head) tensors that do not fit the tied model; an embedding is [vocab, dim], its LoRA A is
+    [r, vocab] and B [dim, r] (a linear layer's [out, in] has A [r, in], B [out, r])."""
+    a, b = torch.randn(8, vocab) * 0.1, torch.randn(dim, 8) * 0.1
+    return {
+        "linear-orientation": {f"{EMBED_KEY}.lora_A.weight": b.T, f"{EMBED_KEY}.lora_B.weight": a.T},
+        "peft-names-transposed": {f"{EMBED_KEY}.lora_embedding_A": b.T, f"{EMBED_KEY}.lora_embedding_B": a.T},
+        "short-vocab": {f"{EMBED_KEY}.lora_embedding_A": a[:, :100], f"{EMBED_KEY}.lora_embedding_B": b},
+        "base-copy-resized": {
+            f"{EMBED_KEY}.lora_embedding_A": a,
+            f"{EMBED_KEY}.lora_embedding_B": b,
+            f"{EMBED_KEY}.base_layer.weight": torch.zeros(vocab + 64, dim),
+        },
+        "lm-head-of-tied-model": {
+            "base_model.model.lm_head.lora_A.weight": b.T,
+            "base_model.model.lm_head.lora_B.weight": a.T,
+        },
+    }
+
+
+@pytest.mark.parametrize("case", sorted(embedding_cases(4, 2)))
+def test_embedding_adapters_that_do_not_fit_get_422(hostile, case):
+    """An adapter on embed_tokens shaped like a linear layer's passed the check and failed in the worker (500, `size of
+    tensor a (128) must match ...`)."""
+    srv, before, inside, _, _ = hostile
+    vocab, dim = AutoModelForCausalLM.from_pretrained(srv.base).get_input_embeddings().weight.shape
+    directory = srv.root / "hostile" / "embed" / case
+    directory.mkdir(parents=True)
+    shutil.copy(inside / "adapter_config.json", directory / "adapter_config.json")
+    tensors = load_file(str(inside / "adapter_model.safetensors"))
+    extra = {k: v.to(torch.bfloat16).contiguous() for k, v in embedding_cases(vocab, dim)[case].items()}
+    save_file({**tensors, **extra}, str(directory / "adapter_model.safetensors"))
+    refusal(attempt(srv, f"hostile-{case}", directory), (422,))
+    still_serving(srv, before)
+
+
+def test_a_fitting_embedding_adapter_serves_what_peft_computes(hostile):
+    """PEFT's own embedding adapter (lora_embedding_A [r, vocab], lora_embedding_B [dim, r], and the base embedding
+    PEFT saves next to them, which vLLM ignores) loads, and serves the logprobs of PEFT's forward pass (fp32, unmerged:
+    on this tied model merging would change the output embedding too, which neither PEFT's forward nor vLLM does)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    srv, before, _, _, _ = hostile
+    out = srv.root / "hostile" / "embedding"
+    model = AutoModelForCausalLM.from_pretrained(srv.base, dtype=torch.float32)
+    lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["embed_tokens"]))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    lora.save_pretrained(out)
+    weights = out / "adapter_model.safetensors"
+    stored = load_file(str(weights))
+    assert {f"{EMBED_KEY}.lora_embedding_A", f"{EMBED_KEY}.base_layer.weight"} <= set(stored)
+    save_file({k: v.to(torch.bfloat16) for k, v in stored.items()}, str(weights))
+
+    name = "hostile-fitting-embedding"
+    r = load(srv, name, out)
+    assert r.status_code == 200, r.text
+    try:
+        sampled = generate(srv, model=name, max_tokens=12, temperature=1.0, seed=3)
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(srv.base, dtype=torch.float32), out)
+        ids = torch.tensor([srv.prompt_ids + sampled["ids"]])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(srv.prompt_ids) - 1 : -1].float()
+            with reference.disable_adapter():
+                base_logits = reference(ids).logits[0, len(srv.prompt_ids) - 1 : -1].float()
+        chosen = torch.tensor(sampled["ids"])[:, None]
+        ref = torch.log_softmax(logits, -1).gather(-1, chosen)[:, 0]
+        base_ref = torch.log_softmax(base_logits, -1).gather(-1, chosen)[:, 0]
+        got = torch.tensor(sampled["logprobs"])
+        print(f"max |vLLM - PEFT| {(got - ref).abs().max():.4f}, |PEFT - base| {(ref - base_ref).abs().max():.3f}")
+        assert torch.allclose(got, ref, atol=ADAPTER_ATOL)
+        # The embedding LoRA (the adapter's only layer) moves the output well beyond the tolerance: vLLM leaving it out
+        # (or applying it transposed, which does not load) cannot pass.
+        assert (ref - base_ref).abs().max() > 4 * ADAPTER_ATOL
+    finally:
+        assert admin(srv, "unload_lora_adapter", {"lora_name": name}).status_code == 200
+    still_serving(srv, before)
