@@ -5,12 +5,14 @@ the trainer's own wait loop, on a one-rank world) over a plain transformers mode
 
 Publishes each `step=dir` in turn (the directory's weights as policy `step`), waiting each time until the
 orchestrator has taken it, then keeps serving until the orchestrator says it is done. `--bad-headers a,b` sends the
-named broken headers (`BAD`) in the first transfers instead of the real one. `--die-in-step S
+named broken headers (`BAD`) in the first transfers instead of the real one; `--header-delay S` stalls S seconds
+after joining, before the first header. `--die-in-step S
 --die-after-groups G` exits (as a crashed trainer) after sending G layer buffers of step S."""
 
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--die-in-step", type=int)
     parser.add_argument("--die-after-groups", type=int, default=1)
     parser.add_argument("--bad-headers", default="", help=f"comma-separated, one per transfer: {', '.join(BAD)}")
+    parser.add_argument("--header-delay", type=float, default=0.0, help="seconds to stall before the first header")
     parser.add_argument("steps", nargs="+", help="step=model_dir")
     args = parser.parse_args()
     steps = [(int(s), Path(d)) for s, d in (a.split("=", 1) for a in args.steps)]
@@ -74,8 +77,13 @@ def main() -> None:
     bad = [k for k in args.bad_headers.split(",") if k]
     real_send_header = sending.send_header
 
+    delays = [args.header_delay] if args.header_delay else []
+
     def send_header(group, header, device, timeout):
-        """The next bad header of `--bad-headers` instead of the real one (then the real one)."""
+        """The next bad header of `--bad-headers` instead of the real one (then the real one); `--header-delay`
+        stalls before the first, as a trainer busy elsewhere after joining."""
+        if delays:
+            time.sleep(delays.pop())
         if not bad:
             return real_send_header(group, header, device, timeout)
         size, raw = BAD[bad.pop(0)]

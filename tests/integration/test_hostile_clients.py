@@ -189,3 +189,39 @@ def test_the_server_refuses_to_start_open_beyond_loopback(tmp_path):
     cmd += ["--output-dir", str(tmp_path / "o")]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "--server.allow-unauthenticated" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_trainer_that_stalls_after_joining_does_not_stall_generation(tied_server, tmp_path, monkeypatch):
+    """The server joins the group and waits for the header in a worker thread: generation goes on meanwhile (an RPC
+    would have blocked the engine's loop for as long as the trainer took); only the reload itself pauses it."""
+    monkeypatch.setenv("PRIME_TEST_BROADCAST_KEY", API_KEY)
+    monkeypatch.setenv(SECRET_VAR, RUN_SECRET)
+    srv, log = tied_server, tmp_path / "sender.log"
+    sender = start_sender(srv.broadcast_port, {1: srv.step_1}, "--header-delay", "6", log=log)
+    servers = servers_for(srv, srv.broadcast_port, tmp_path)
+
+    async def scenario() -> tuple[float, float]:
+        try:
+            await servers.wait_healthy()
+            await servers.load_policy(0)
+            await published(servers, 1, sender, log)
+            start = time.monotonic()
+            swap = asyncio.create_task(servers.load_policy(1))
+            await asyncio.sleep(2)  # joined by now, waiting for the header
+            assert not swap.done()
+            await asyncio.to_thread(generate, srv, max_tokens=4)
+            served = time.monotonic() - start
+            await swap
+            return served, time.monotonic() - start
+        finally:
+            await servers.close(finished=True)
+
+    try:
+        served, swapped = asyncio.run(scenario())
+        assert sender.wait(60) == 0, log.read_text()
+        assert served < 5 < swapped, (served, swapped)  # a completion while the trainer stalled, then the weights
+        assert httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=10).json()["version"] == "step_1"
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+        assert admin(srv, "reload_weights").status_code == 200
