@@ -216,3 +216,63 @@ def test_a_fitting_embedding_adapter_serves_what_peft_computes(hostile):
     finally:
         assert admin(srv, "unload_lora_adapter", {"lora_name": name}).status_code == 200
     still_serving(srv, before)
+
+
+REMOVED = "<removed>"
+BAD_CONFIGS = {  # changes to a peft adapter_config.json (REMOVED: the key left out) that vLLM's PEFTHelper fails on
+    "no-lora-alpha": {"lora_alpha": REMOVED},
+    "lora-alpha-string": {"lora_alpha": "16"},
+    "lora-alpha-null": {"lora_alpha": None},
+    "lora-alpha-overflow": {"lora_alpha": 10**400},
+    "no-target-modules": {"target_modules": REMOVED},
+    "use-qalora": {"use_qalora": True},
+    "use-bdlora": {"use_bdlora": {"target_modules_bd_a": ["q_proj"]}},
+    "init-pissa": {"init_lora_weights": "pissa"},
+    "init-olora": {"init_lora_weights": "OLoRA"},
+    "rank-pattern-bad-regex": {"rank_pattern": {"q_proj(": 8}},
+    "rank-pattern-unbalanced": {"rank_pattern": {")": 8}},
+    "alpha-pattern-bad-regex": {"alpha_pattern": {"[q_proj": 16}},
+    "alpha-pattern-string-value": {"alpha_pattern": {"q_proj": "16"}},
+    "alpha-pattern-not-an-object": {"alpha_pattern": ["q_proj"]},
+    # Patterns vLLM compiles and matches in the engine, with no limit: hours of backtracking, gigabytes to compile.
+    "alpha-pattern-backtracks": {"alpha_pattern": {"(.|.|.|.)*(?=X)": 16}},
+    "rank-pattern-compiles-to-gigabytes": {"rank_pattern": {"(?:a{10000}){1000}": 8}},
+}
+ACCEPTED_CONFIG = {  # what vLLM serves: inits that leave the base weights alone, valid patterns, features off
+    "init_lora_weights": "Gaussian",
+    "use_rslora": True,
+    "alpha_pattern": {r"layers\.0\..*_proj": 4.5, "q_proj": 32},
+    "rank_pattern": {"v_proj": 8},
+    "use_bdlora": None,
+    "use_qalora": False,
+}
+
+
+def test_adapter_configs_vllm_fails_on_get_422(hostile):
+    """adapter_config.json values vLLM's PEFTHelper fails on (a missing or non-numeric lora_alpha, QALoRA, BD-LoRA,
+    PiSSA-like inits, broken rank/alpha patterns) passed the check and came back from vLLM's worker as 500s; patterns
+    that backtrack for hours or take gigabytes to compile would have stalled the engine. Each is now a 422 naming the
+    key, and a config with the options vLLM serves still loads."""
+    srv, before, inside, _, _ = hostile
+    config = json.loads((inside / "adapter_config.json").read_text())
+
+    def directory(case: str, changes: dict) -> Path:
+        out = srv.root / "hostile" / "config" / case
+        out.mkdir(parents=True)
+        shutil.copy(inside / "adapter_model.safetensors", out / "adapter_model.safetensors")
+        changed = {k: v for k, v in {**config, **changes}.items() if v != REMOVED}
+        (out / "adapter_config.json").write_text(json.dumps(changed))
+        return out
+
+    statuses = {}
+    for case, changes in BAD_CONFIGS.items():
+        r = attempt(srv, f"hostile-{case}", directory(case, changes))
+        statuses[case] = r.status_code
+        if r.status_code == 422:
+            key = next(iter(changes))
+            assert key in r.json()["error"]["message"], (case, r.text)
+    assert statuses == dict.fromkeys(BAD_CONFIGS, 422), statuses
+    still_serving(srv, before)
+    r = attempt(srv, "hostile-accepted-config", directory("accepted", ACCEPTED_CONFIG))
+    assert r.status_code == 200, r.text
+    still_serving(srv, before)

@@ -54,9 +54,11 @@ def test_adapter_dir_checks(tmp_path):
             root / "bias_tensor", {**lora_tensors(), "base_model.model.layers.0.q_proj.lora_B.bias": torch.zeros(6)}
         ),
         "are not floats": write_adapter(root / "ints", {k: v.to(torch.int32) for k, v in lora_tensors().items()}),
-        "peft_type is 'IA3'": write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
-        "does not support the adapter's use_dora": write_adapter(root / "dora", lora_tensors(), use_dora=True),
-        "bias='all'": write_adapter(root / "bias", lora_tensors(), bias="all"),
+        'peft_type="IA3"': write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
+        "use_dora=true (vLLM takes false or unset, as it does not support DoRA)": write_adapter(
+            root / "dora", lora_tensors(), use_dora=True
+        ),
+        'bias="all"': write_adapter(root / "bias", lora_tensors(), bias="all"),
     }
     for needle, path in cases.items():
         e = refusal(path, [root])
@@ -78,6 +80,106 @@ def test_adapter_dir_checks(tmp_path):
     assert "not a readable safetensors file" in refusal(corrupt, [root]).message
     for status in [refusal(p, [root]).status for p in (root / "no_config", no_weights, bad_json, corrupt)]:
         assert status == 422
+
+
+PEFT_CONFIG = {  # what peft 0.21 saves for LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
+    **{"task_type": None, "peft_type": "LORA", "auto_mapping": None, "peft_version": "0.21.2"},
+    **{"base_model_name_or_path": None, "revision": None, "inference_mode": True, "r": 2, "target_modules": ["q_proj"]},
+    **{"exclude_modules": None, "lora_alpha": 4, "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none"},
+    **{"use_rslora": False, "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None},
+    **{"layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "megatron_config": None},
+    **{"megatron_core": "megatron.core", "trainable_token_indices": None, "loftq_config": {}, "eva_config": None},
+    **{"corda_config": None, "lora_ga_config": None, "use_dora": False, "velora_config": None},
+    **{"alora_invocation_tokens": None, "use_qalora": False, "qalora_group_size": 16, "monteclora_config": None},
+    **{"layer_replication": None, "lora_bias": False, "target_parameters": None, "use_bdlora": None},
+    **{"arrow_config": None, "kasa_config": None, "ensure_weight_tying": False},
+}
+REMOVED = object()
+
+
+def with_config(root, name: str, changes: dict):
+    """A rank-2 adapter on q_proj whose config is PEFT's with `changes` (REMOVED: the key left out)."""
+    path = write_adapter(root / name, lora_tensors())
+    config = {key: value for key, value in {**PEFT_CONFIG, **changes}.items() if value is not REMOVED}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+REFUSED_CONFIGS = [  # (changes, what the 422 says): values vLLM's PEFTHelper fails on (a 500 from its worker)
+    ({"lora_alpha": REMOVED}, "has no lora_alpha (required: peft_type, r, lora_alpha, target_modules)"),
+    ({"target_modules": REMOVED, "r": REMOVED}, "has no r, target_modules"),
+    ({"lora_alpha": "4"}, 'lora_alpha="4" (vLLM takes a finite number)'),
+    ({"lora_alpha": None}, "lora_alpha=null"),
+    ({"lora_alpha": [4]}, "lora_alpha=[4]"),
+    ({"lora_alpha": 10**400}, "lora_alpha=1000000000"),  # overflows vLLM's alpha / r
+    ({"lora_alpha": float("inf")}, "lora_alpha=Infinity"),  # vLLM would serve NaN
+    ({"lora_alpha": float("nan")}, "lora_alpha=NaN"),
+    ({"use_qalora": True}, "use_qalora=true (vLLM takes false or unset, as it does not support QALoRA)"),
+    ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "use_bdlora={"),
+    ({"use_bdlora": True}, "does not support block-diagonal LoRA"),
+    ({"init_lora_weights": "pissa"}, 'init_lora_weights="pissa" (vLLM takes true, false or one of gaussian'),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights="),
+    ({"init_lora_weights": "OLoRA"}, "init_lora_weights="),
+    ({"init_lora_weights": "corda"}, "init_lora_weights="),
+    ({"init_lora_weights": "loftq"}, "init_lora_weights="),
+    ({"init_lora_weights": "true"}, 'init_lora_weights="true"'),  # a string: vLLM refuses it too
+    ({"alora_invocation_tokens": [1, 2]}, "Activated LoRA"),
+    ({"layer_replication": [[0, 1]]}, "layer replication"),
+    ({"lora_bias": True}, "LoRA biases"),
+    ({"modules_to_save": ["lm_head"]}, "full modules"),
+    ({"bias": None}, "bias=null"),
+    ({"use_rslora": "false"}, 'use_rslora="false" (vLLM takes true or false)'),  # vLLM would read it as true
+    ({"rank_pattern": ["q_proj"]}, 'rank_pattern=["q_proj"] (vLLM takes an object of regexes to positive integers)'),
+    ({"rank_pattern": {"q_proj": "2"}}, 'rank_pattern={"q_proj": "2"}'),
+    ({"rank_pattern": {"q_proj": 0}}, 'rank_pattern={"q_proj": 0}'),
+    ({"alpha_pattern": ["q_proj"]}, 'alpha_pattern=["q_proj"] (vLLM takes an object of regexes to finite numbers)'),
+    ({"alpha_pattern": {"q_proj": "4"}}, 'alpha_pattern={"q_proj": "4"}'),
+    ({"alpha_pattern": {"q_proj": None}}, 'alpha_pattern={"q_proj": null}'),  # vLLM: lora_alpha; PEFT: fails
+    # The patterns as vLLM compiles them, `(.*\.)?(<key>)$` with the `regex` module:
+    ({"rank_pattern": {"q_proj(": 2}}, 'rank_pattern "q_proj(", which is not a valid regex'),
+    ({"rank_pattern": {")": 2}}, 'rank_pattern ")", which is not a valid regex'),
+    ({"alpha_pattern": {"[q": 2}}, 'alpha_pattern "[q", which is not a valid regex'),
+    ({"alpha_pattern": {"(?<x>q)(?P=y)": 2}}, "which is not a valid regex"),
+    # vLLM matches them in the engine with no limit: hours of backtracking, all of the machine's memory.
+    ({"alpha_pattern": {"(.|.|.|.)*(?=X)": 2}}, 'alpha_pattern "(.|.|.|.)*(?=X)", which takes over 1.0s to match'),
+    ({"rank_pattern": {"(?:a{10000}){1000}": 2}}, "which takes over 1024 MiB to compile"),
+]
+
+
+def test_config_values_vllm_fails_on_get_422_naming_the_key(tmp_path):
+    """These reached vLLM, whose PEFTHelper raised in the worker: a 500 instead of a 422."""
+    root = tmp_path / "run"
+    for i, (changes, needle) in enumerate(REFUSED_CONFIGS):
+        e = refusal(with_config(root, f"case_{i}", changes), [root])
+        assert e.status == 422 and needle in e.message, (changes, e.message)
+    # A long value is clipped; every refused key is named.
+    e = refusal(
+        with_config(root, "long", {"lora_alpha": "x" * 5000, "use_qalora": 1, "init_lora_weights": "a" * 999}), [root]
+    )
+    assert "lora_alpha=" in e.message and "use_qalora=1" in e.message and "init_lora_weights=" in e.message
+    assert "x" * 100 not in e.message and "a" * 100 not in e.message
+
+
+ACCEPTED_CONFIGS = [  # what vLLM serves (as PEFT computes it)
+    {},  # PEFT's defaults
+    *({"init_lora_weights": init} for init in ("gaussian", "Gaussian", "eva", "orthogonal", "mica", "lora_ga", False)),
+    {"use_rslora": True, "lora_alpha": 2.5},
+    {"lora_alpha": 0},
+    {"lora_alpha": -8},
+    {"target_modules": "all-linear"},
+    {"target_modules": None},  # given (vLLM requires the key, not a value)
+    {"bias": REMOVED, "use_dora": None, "modules_to_save": [], "use_bdlora": {}, "use_qalora": 0},
+    {"rank_pattern": None, "alpha_pattern": []},  # vLLM reads a false pattern as {}
+    {"rank_pattern": {"q_proj": 2}, "alpha_pattern": {r"layers\.0\..*_proj": 3.5, r"\p{L}+_proj": 1, "o_proj": 8}},
+    {"alpha_pattern": {"(?:a{1000}){100}": 2}},  # a large pattern that compiles within the bounds
+]
+
+
+def test_configs_vllm_serves_are_accepted(tmp_path):
+    root = tmp_path / "run"
+    for i, changes in enumerate(ACCEPTED_CONFIGS):
+        path = with_config(root, f"case_{i}", changes)
+        assert check_adapter_dir(str(path), [root], BASE, 8, MODULES) == path.resolve(), changes
 
 
 SECRET = "outside-secret-value"
@@ -295,6 +397,7 @@ def test_bad_adapter_requests_get_documented_4xx_and_change_nothing(tmp_path):
     client, adapters = adapter_client(tmp_path, engine, api_key="k")
     good = write_adapter(tmp_path / "good", lora_tensors())
     r16 = write_adapter(tmp_path / "r16", lora_tensors(rank=16), rank=16)
+    qalora = write_adapter(tmp_path / "qalora", lora_tensors(), use_qalora=True)
     key = {"Authorization": "Bearer k"}
     cases = [
         ({"lora_name": "a", "lora_path": str(good)}, {}, 401),
@@ -311,6 +414,7 @@ def test_bad_adapter_requests_get_documented_4xx_and_change_nothing(tmp_path):
         ({"lora_name": "a", "lora_path": str(tmp_path / "missing")}, key, 404),
         ({"lora_name": "a", "lora_path": "rel/x"}, key, 400),
         ({"lora_name": "a", "lora_path": str(r16)}, key, 422),
+        ({"lora_name": "a", "lora_path": str(qalora)}, key, 422),
     ]
     for body, headers, status in cases:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -8,6 +8,8 @@ which vLLM ignores). The checks read the config and the safetensors header only,
 before the engine sees it: vLLM itself checks neither tensor shapes against the model nor, before loading, whether
 the model has the layers. Both files must resolve inside the allowed roots, as the directory must (403; see
 `weights.open_in_roots`, and the module docstring of `weights` for the race left between the check and vLLM's read).
+The config is held to what vLLM's `PEFTHelper` reads (`CONFIG_KEYS`); its rank/alpha patterns are regexes, compiled
+and matched in a child process bounded in memory and time (vLLM's engine has no bound on them).
 
 Loading a name that is already loaded replaces the adapter in place (same vLLM adapter id): requests sent afterwards
 get the new weights, requests in flight continue on them. The prefix cache is keyed by (name, path), so a new path
@@ -18,10 +20,18 @@ may hold KV of later adapters, computed for requests that were in flight across 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import resource
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import regex
 from loguru import logger
 
 from prime_rl.inference.weights import (
@@ -52,8 +62,69 @@ INPUT_EMBEDDINGS = frozenset({"embed_tokens", "wte"})
 shaped A [r, vocab], B [dim, r]. (The output embedding, `lm_head`, takes a linear layer's: A [r, dim], B [vocab, r].)"""
 EMBEDDING_COPIES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 """Tensors PEFT saves with an embedding adapter (the embedding's own weight) and vLLM skips when loading it."""
-UNSUPPORTED_FEATURES = ("use_dora", "lora_bias", "modules_to_save", "layer_replication", "alora_invocation_tokens")
-"""PEFT config keys that change what the adapter computes and that vLLM does not implement (a true value: refused)."""
+INITS_SERVED = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+"""String `init_lora_weights` vLLM serves: they only initialized the adapter (PiSSA, OLoRA, CorDA, LoftQ... change the
+base weights, which vLLM refuses)."""
+PATTERN_SECONDS = 1.0
+"""How long the adapter's rank/alpha patterns may take to match its layer names (vLLM matches them in the engine, with
+no limit: a pattern that backtracks for long stalls generation)."""
+PATTERN_MEMORY = 1 << 30
+"""Address space of the process that compiles the patterns: a pattern as short as `(?:(?:a{60000}){60000})` takes all
+the machine's memory to compile."""
+PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+PATTERN_LOCK = threading.Lock()
+
+
+def is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_finite_number(value: object) -> bool:
+    """vLLM divides it by the rank: a string or null fails, an int too large for a float overflows, inf/NaN serve NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def patterns_of(is_value: Callable[[object], bool]) -> Callable[[object], bool]:
+    """vLLM reads a false `rank_pattern`/`alpha_pattern` as {} (its regexes are checked by `pattern_problem`)."""
+    return lambda patterns: (
+        not patterns or (isinstance(patterns, dict) and all(is_value(value) for value in patterns.values()))
+    )
+
+
+def unset(feature: str) -> tuple[Callable[[object], bool], str]:
+    return (lambda value: not value), f"false or unset, as it does not support {feature}"
+
+
+CONFIG_KEYS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "peft_type": (lambda value: value == "LORA", "'LORA'"),
+    "r": (is_rank, "a positive integer"),
+    "lora_alpha": (is_finite_number, "a finite number"),
+    "target_modules": (lambda value: True, "any value"),
+    "bias": (lambda value: value == "none", "'none'"),
+    "use_rslora": (lambda value: value is None or isinstance(value, bool), "true or false"),
+    "init_lora_weights": (
+        lambda value: not isinstance(value, str) or value.lower() in INITS_SERVED,
+        f"true, false or one of {', '.join(INITS_SERVED)} (other inits change the base weights)",
+    ),
+    "rank_pattern": (patterns_of(is_rank), "an object of regexes to positive integers"),
+    "alpha_pattern": (patterns_of(is_finite_number), "an object of regexes to finite numbers"),
+    "use_dora": unset("DoRA"),
+    "lora_bias": unset("LoRA biases"),
+    "modules_to_save": unset("full modules"),
+    "layer_replication": unset("layer replication"),
+    "alora_invocation_tokens": unset("Activated LoRA"),
+    "use_bdlora": unset("block-diagonal LoRA"),
+    "use_qalora": unset("QALoRA"),
+}
+"""The `adapter_config.json` keys vLLM reads (`vllm.lora.peft_helper.PEFTHelper`): key -> (accepts a value, what is
+accepted). A key left out takes PEFT's default, which vLLM serves, except for the `REQUIRED_KEYS`."""
+REQUIRED_KEYS = ("peft_type", "r", "lora_alpha", "target_modules")
+"""vLLM requires r, lora_alpha and target_modules (null counts as given); peft_type tells a LoRA from other PEFT types."""
 
 
 class AdapterError(Exception):
@@ -85,37 +156,105 @@ def check_adapter_dir(
             raise WeightDirError(422, f"{shown} has no {ADAPTER_WEIGHTS}")
         specs = file_specs(file, f"{shown}: {ADAPTER_WEIGHTS}")
     problem = tensor_problem(specs, base, max_rank, modules, rank if not config.get("rank_pattern") else None)
+    if problem is None:
+        problem = pattern_problem(config, sorted(lora_layers(specs)))
     if problem is not None:
         raise WeightDirError(422, f"{shown}: {problem}")
     return path
 
 
 def read_adapter_config(config: object, shown: str) -> dict:
-    """The parsed `adapter_config.json`, if vLLM can serve an adapter of it (else 422)."""
+    """The parsed `adapter_config.json`, if vLLM can serve an adapter of it (else 422, naming each key refused)."""
     if not isinstance(config, dict):
         raise WeightDirError(422, f"{shown}: {ADAPTER_CONFIG} is not a JSON object")
-    if config.get("peft_type") != "LORA":
-        raise WeightDirError(422, f"{shown}: peft_type is {clip(config.get('peft_type'))!r}, not 'LORA'")
-    unsupported = [key for key in UNSUPPORTED_FEATURES if config.get(key)]
-    if config.get("bias", "none") != "none":
-        unsupported.append(f"bias={clip(config['bias'])!r}")
-    if unsupported:
-        raise WeightDirError(422, f"{shown}: vLLM does not support the adapter's {', '.join(unsupported)}")
+    missing = [key for key in REQUIRED_KEYS if key not in config]
+    if missing:
+        raise WeightDirError(
+            422, f"{shown}: {ADAPTER_CONFIG} has no {', '.join(missing)} (required: {', '.join(REQUIRED_KEYS)})"
+        )
+    refused = [
+        f"{key}={clip(as_json(config[key]), 80)} (vLLM takes {accepted})"
+        for key, (accepts, accepted) in CONFIG_KEYS.items()
+        if key in config and not accepts(config[key])
+    ]
+    if refused:
+        raise WeightDirError(422, f"{shown}: {ADAPTER_CONFIG} has {'; '.join(refused)}")
     return config
 
 
+def as_json(value: object) -> str:
+    try:
+        return json.dumps(value)
+    except (ValueError, RecursionError):
+        return type(value).__name__
+
+
 def config_rank(config: dict, max_rank: int) -> int:
-    """The adapter's rank `r`, checked against the server's `max_lora_rank` (so are the ranks of `rank_pattern`)."""
-    rank = config.get("r")
-    pattern = config.get("rank_pattern") or {}
-    ranks = [rank, *(pattern.values() if isinstance(pattern, dict) else [None])]
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
-        raise WeightDirError(422, f"{ADAPTER_CONFIG}: r (and rank_pattern's ranks) must be positive integers")
+    """The adapter's rank `r`, checked against the server's `max_lora_rank` (so are the ranks of `rank_pattern`).
+    `config` passed `read_adapter_config`."""
+    ranks = [config["r"], *(config.get("rank_pattern") or {}).values()]
     if max(ranks) > max_rank:
         raise WeightDirError(
             422, f"adapter rank {max(ranks)} exceeds this server's max_lora_rank {max_rank} (inference [lora])"
         )
-    return rank
+    return config["r"]
+
+
+def pattern_problem(config: dict, layers: list[str]) -> str | None:
+    """Why vLLM cannot match the config's rank/alpha patterns against the adapter's `layers`, or None. Compiled and
+    matched in a child process, bounded in memory and time (`pattern_check`)."""
+    patterns = {field: list(config.get(field) or {}) for field in PATTERN_FIELDS}
+    if not any(patterns.values()):
+        return None
+    command = [sys.executable, "-P", "-c", "from prime_rl.inference.adapters import pattern_check; pattern_check()"]
+    request = json.dumps({"patterns": patterns, "layers": layers})
+    fields = " and ".join(field for field in PATTERN_FIELDS if patterns[field])
+    try:
+        with PATTERN_LOCK:  # one child at a time: concurrent loads cannot add up to many PATTERN_MEMORYs
+            done = subprocess.run(command, input=request, capture_output=True, text=True, timeout=PATTERN_SECONDS + 10)
+    except subprocess.TimeoutExpired:
+        return f"{ADAPTER_CONFIG}: compiling and matching {fields} took over {PATTERN_SECONDS + 10}s"
+    except OSError as e:
+        raise WeightDirError(500, f"could not start the check of {fields}: {clip(e)}") from None
+    if done.returncode < 0:  # killed: a pattern's compiling ran out of memory (or stack)
+        return f"{ADAPTER_CONFIG}: compiling {fields} took over {PATTERN_MEMORY >> 20} MiB"
+    try:
+        found = json.loads(done.stdout)
+    except ValueError:
+        raise WeightDirError(500, f"the check of {fields} failed: {clip(done.stderr[-400:], 400)}") from None
+    if found:
+        return (
+            f"{ADAPTER_CONFIG} has {found['field']} {clip(as_json(found['key']), 80)}, which {clip(found['problem'])}"
+        )
+    return None
+
+
+def pattern_check() -> None:
+    """The child of `pattern_problem`: reads {"patterns", "layers"} from stdin, writes the first problem found
+    ({"field", "key", "problem"}) or {}."""
+    resource.setrlimit(resource.RLIMIT_AS, (PATTERN_MEMORY, PATTERN_MEMORY))
+    request = json.load(sys.stdin)
+    print(json.dumps(first_pattern_problem(request["patterns"], request["layers"], PATTERN_SECONDS) or {}))
+
+
+def first_pattern_problem(patterns: dict[str, list[str]], layers: list[str], seconds: float) -> dict | None:
+    deadline = time.monotonic() + seconds
+    for field, keys in patterns.items():
+        for key in keys:
+            try:  # vLLM: re.match(rf"(.*\.)?({key})$", layer) with the `regex` module (PEFTHelper._match_pattern)
+                pattern = regex.compile(rf"(.*\.)?({key})$")
+            except MemoryError:
+                return {"field": field, "key": key, "problem": f"takes over {PATTERN_MEMORY >> 20} MiB to compile"}
+            except Exception as e:  # regex.error, and whatever else an odd pattern raises
+                return {"field": field, "key": key, "problem": f"is not a valid regex (in `(.*\\.)?(<key>)$`: {e})"}
+            for layer in layers:
+                try:
+                    pattern.match(layer, timeout=max(deadline - time.monotonic(), 0.001))
+                except TimeoutError:
+                    return {"field": field, "key": key, "problem": f"takes over {seconds}s to match the layer names"}
+                except Exception as e:  # MemoryError, RecursionError
+                    return {"field": field, "key": key, "problem": f"fails to match the layer names ({e!r})"}
+    return None
 
 
 def tensor_problem(
@@ -197,6 +336,16 @@ def tensor_problem(
     if wrong:
         return f"tensors that do not fit the served model: {names(wrong, limit=160)}"
     return None
+
+
+def lora_layers(specs: dict[str, TensorSpec]) -> set[str]:
+    """The layers the adapter's LoRA tensors apply to, named as vLLM matches rank/alpha patterns against them."""
+    layers = set()
+    for name in specs:
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if name.startswith(PEFT_PREFIX) and suffix is not None:
+            layers.add(name[len(PEFT_PREFIX) : -len(suffix)])
+    return layers
 
 
 def is_input_embedding(layer: str) -> bool:
