@@ -1,6 +1,7 @@
 """`rl` across hosts: which processes a host starts, how they find each other, the seed's variables."""
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -8,7 +9,18 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.loader import load_config
-from prime_rl.rl import API_KEY_VAR, RLConfig, host_tag, publish_run, seed_environment, trainer_command, wait_for_run
+from prime_rl.rl import (
+    API_KEY_VAR,
+    RLConfig,
+    build_processes,
+    host_tag,
+    provide_secret,
+    publish_run,
+    seed_environment,
+    trainer_command,
+    wait_for_run,
+)
+from prime_rl.utils.secret import SECRET_VAR
 
 INFERENCE = '[inference]\n[inference.server]\nhost = "10.0.0.7"\nport = 8100\n'
 
@@ -147,6 +159,7 @@ def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_pat
     config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")
     trainer, orch = config.trainer.weight_broadcast, config.orchestrator.weight_broadcast
     assert trainer == orch and trainer.type == "gloo" and trainer.host == "127.0.0.1" and trainer.port is not None
+    assert config.inference.weight_broadcast == trainer  # the server takes the store's address from its own config
     # Several hosts: the store is on trainer node 0 (deployment.master_addr and master_port + 1) unless set.
     split = [
         "--deployment.roles",
@@ -167,3 +180,35 @@ def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_pat
     assert "weight_broadcast.type = 'gloo' contradicts trainer.weight_broadcast.type = 'nccl'" in err
     err = rl_error(tmp_path, capsys, "--trainer.weight-broadcast.type", "gloo")  # set in one section only
     assert "trainer.weight_broadcast and orchestrator.weight_broadcast disagree" in err
+
+
+def test_every_process_gets_the_run_secret_by_environment_only(tmp_path, monkeypatch, capsys):
+    """One host: `rl` makes a secret and hands it to its processes by the environment (never a file); the servers
+    have no API key, so the orchestrator sends the secret as their token. Several hosts: it must be given."""
+    monkeypatch.delenv(SECRET_VAR, raising=False)
+    config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")
+    provide_secret(config)
+    secret = os.environ[SECRET_VAR]
+    assert len(secret) == 64 and config.orchestrator.client.api_key_var == SECRET_VAR
+    processes = build_processes(config, {"orchestrator": config.orchestrator}, tmp_path / "logs", "")
+    assert all(p.env[SECRET_VAR] == secret for p in processes.values())
+    written = [p.read_text() for p in (config.output_dir / "configs").rglob("*.toml")]
+    assert written and not any(secret in text for text in written)
+    assert not any(secret in " ".join(p.cmd) for p in processes.values())
+    # With an API key the orchestrator sends the key; the servers take the key as their token.
+    keyed = rl_config(tmp_path, "--inference.server.api-key", "k")
+    assert keyed.orchestrator.client.api_key_var == API_KEY_VAR
+
+    monkeypatch.delenv(SECRET_VAR)
+    split = ["--deployment.roles", "[inference]"]
+    with pytest.raises(SystemExit) as exit_:
+        provide_secret(rl_config(tmp_path, *split))
+    assert exit_.value.code == 2 and f"set {SECRET_VAR}" in capsys.readouterr().err
+    monkeypatch.setenv(SECRET_VAR, "short")
+    with pytest.raises(SystemExit):
+        provide_secret(rl_config(tmp_path, *split))
+    assert "at least 16" in capsys.readouterr().err
+    monkeypatch.setenv(SECRET_VAR, "x" * 40)
+    provide_secret(rl_config(tmp_path, *split))
+    assert os.environ[SECRET_VAR] == "x" * 40  # given: kept
+
