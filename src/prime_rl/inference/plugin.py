@@ -387,8 +387,8 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
     except (SecretError, StoreAuthError) as e:
         return _error(502, f"cannot use the trainer's weight-broadcast store: {clip(e, 500)}")
     except (StoreError, ValueError) as e:
-        return _error(502, f"the trainer's weight-broadcast store did not answer ({clip(e, 500)}); still serving "
-                      f"{swapper.version}")  # fmt: skip
+        message = f"the trainer's weight-broadcast store did not answer ({clip(e, 500)})"
+        return _error(502, f"{message}; still serving {swapper.version}")
     if session != spec.session:
         return _error(409, "the request names another trainer session than the trainer's store: it is stale")
     try:
@@ -407,8 +407,8 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
 
 def current_session(settings: dict) -> str:
     """The session id the trainer's store names (a short authenticated connection; bounded by the timeout)."""
-    store = StoreClient(settings["host"], settings["port"], require_secret("receiving a weight broadcast"),
-                        settings["timeout"])  # fmt: skip
+    secret = require_secret("receiving a weight broadcast")
+    store = StoreClient(settings["host"], settings["port"], secret, settings["timeout"])
     try:
         return read_session(store, min(settings["timeout"], 5.0))["id"]
     finally:
