@@ -83,6 +83,18 @@ def test_the_store_listens_on_its_address_only(store):
     client(store).close()
 
 
+def test_a_name_that_resolves_to_loopback_is_refused(monkeypatch):
+    """Bound to its configured address, a store on a name that resolves to 127.0.1.1 (Debian's /etc/hosts entry
+    for the machine's own name) would be unreachable from every other host: refused, naming both."""
+    real = socket.getaddrinfo
+    monkeypatch.setattr(
+        socket, "getaddrinfo", lambda host, *a, **k: real("127.0.1.1" if host == "node0" else host, *a, **k)
+    )
+    with pytest.raises(OSError, match="'node0' resolves to 127.0.1.1"):
+        StoreServer("node0", 0, TEST_SECRET)
+    StoreServer("localhost", 0, TEST_SECRET).close()  # asked for
+
+
 def test_a_process_without_the_secret_can_read_write_and_join_nothing(store):
     store.table.set("session", json.dumps({"id": "ab" * 16, "backend": "gloo"}))
     store.table.set("published", "1")

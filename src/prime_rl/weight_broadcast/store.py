@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import socket
 import struct
@@ -203,6 +204,14 @@ class Table:
             return len(self.data)
 
 
+def _names_loopback(host: str) -> bool:
+    """Whether `host` says loopback itself (then a loopback-only store is what was asked for)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class StoreServer:
     """Serves a `Table` to authenticated clients on `host:port` (port 0: any free port, then in `port`).
 
@@ -213,6 +222,11 @@ class StoreServer:
         self.table = table or Table()
         self.key = derive(secret, "weight-broadcast-store")
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        if ipaddress.ip_address(address[0]).is_loopback and not _names_loopback(host):
+            raise OSError(
+                f"{host!r} resolves to {address[0]} on this machine, a loopback address other hosts cannot reach "
+                "(a distribution's /etc/hosts entry for its own name, often): give an address the others reach"
+            )
         self.listener = socket.create_server(address, family=family)  # this address only, not every interface
         self.port = self.listener.getsockname()[1]
         self.lock = threading.Lock()
@@ -369,7 +383,9 @@ class StoreClient:
                     f"the weight-broadcast store at {self.address} refused our run secret (PRIME_RL_SECRET must be "
                     "the same for trainer, orchestrator and servers)"
                 ) from None
-            raise StoreUnavailable(f"the weight-broadcast store at {self.address} closed the connection ({e})") from None
+            raise StoreUnavailable(
+                f"the weight-broadcast store at {self.address} closed the connection ({e})"
+            ) from None
         except OSError as e:
             raise StoreUnavailable(f"weight-broadcast store at {self.address}: {e}") from None
         if not hmac.compare_digest(proof, _mac(key, b"server", server_nonce, client_nonce)):
