@@ -5,18 +5,20 @@ import asyncio
 import json
 import re
 import shutil
+import time
 import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import API_KEY, make_adapter, start_server
+from conftest import API_KEY, RUN_SECRET, make_adapter, start_server
 from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.config import SamplingConfig
 from prime_rl.orchestrator.worker import request_sampling
+from prime_rl.utils.secret import SECRET_VAR
 
 pytestmark = pytest.mark.slow
 
@@ -387,15 +389,54 @@ def test_weight_dir_with_another_dtype_gets_422(tied_server):
     assert generate(srv, max_tokens=10) == before
 
 
-def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_server):
-    """Load A, make loads of B fail inside vLLM (its index file is not JSON: our header checks pass it, vLLM's loader
-    raises), then delete A so the restore fails too. The server must then say so (503 on /health and generation)
-    and generate nothing on its unknown weights, and a successful load must heal it."""
+class DyingTrainer:
+    """A stand-in trainer (the real sending code) that dies after sending the first layer of its transfer, on the
+    server's configured store address: the server's load then fails midway inside the engine, after every check of
+    ours passed, and it must restore what it served before. `swap` runs that transfer and returns the server's
+    reply. (A weight directory can no longer fail that way: the server reads every file it hands vLLM first.)"""
+
+    def __init__(self, srv, log: Path):
+        from test_weight_broadcast import start_sender
+
+        from prime_rl.config import WeightBroadcastConfig
+        from prime_rl.orchestrator.broadcast import BroadcastClient
+
+        self.srv, self.log = srv, log
+        self.sender = start_sender(srv.broadcast_port, {1: srv.step_1}, "--die-in-step", "1", log=log)
+        config = WeightBroadcastConfig(type="gloo", port=srv.broadcast_port, timeout=60)
+        self.client = BroadcastClient(config, ack_timeout=120)
+        deadline = time.monotonic() + 120
+        while self.client.published() < 1:  # up, and announcing its step
+            assert self.sender.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+
+    async def swap(self, http: httpx.AsyncClient) -> httpx.Response:
+        from prime_rl.orchestrator.broadcast import TrainerGone
+
+        replies = []
+
+        async def post(url: str, body: dict) -> dict:
+            replies.append(await http.post(f"{url}/update_weights", json=body))
+            return {}
+
+        try:
+            await self.client.transfer([(self.srv.url, 1)], post)
+        except (TrainerGone, TimeoutError):
+            pass  # the trainer died: its report never comes
+        finally:
+            self.client.close()
+            assert self.sender.wait(60) == 7, self.log.read_text()
+        return replies[0]
+
+
+def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_server, tmp_path, monkeypatch):
+    """Load A, make a load fail inside vLLM (a broadcast whose trainer dies midway), then delete A so the restore fails
+    too. The server must then say so (503 on /health and generation) and generate nothing on its unknown weights,
+    and a successful load must heal it."""
     srv = tied_server
+    monkeypatch.setenv(SECRET_VAR, RUN_SECRET)  # the stand-in trainers' and our store client's
     assert admin(srv, "reload_weights").status_code == 200  # other tests may have left other weights
     base_out = generate(srv, max_tokens=12)
-    b = shutil.copytree(srv.base, srv.root / "bad_index")
-    (b / "model.safetensors.index.json").write_text("{not json")
     a = srv.root / "restore_a"
     health = f"{srv.url}/health"
     # 32 requests of as many tokens as the context allows, and the swap fails as soon as a streamed request next to
@@ -407,14 +448,14 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
         "sampling_params": {"temperature": 0.0, "max_tokens": longest, "ignore_eos": True, "logprobs": 1},
     }
 
-    async def fail_with_requests_in_flight() -> dict:
+    async def fail_with_requests_in_flight(trainer: DyingTrainer) -> dict:
         async with httpx.AsyncClient(timeout=600, headers=srv.headers) as client:
             in_flight = [
                 asyncio.create_task(client.post(f"{srv.url}/inference/v1/generate", json=body)) for _ in range(32)
             ]
             stream = await stream_started(client, srv, longest)
             shutil.rmtree(a)  # the trainer pruned it
-            state = {"failed": await client.post(f"{srv.url}/update_weights", json={"weight_dir": str(b)})}
+            state = {"failed": await trainer.swap(client)}
             state["health"] = await client.get(health)
             state["generate"] = await client.post(f"{srv.url}/inference/v1/generate", json=body)
             completion = {"model": str(srv.base), "prompt": "hi", "max_tokens": 2}
@@ -426,21 +467,26 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
             await stream
             return state
 
+    async def fail_alone(trainer: DyingTrainer) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=600, headers=srv.headers) as client:
+            return await trainer.swap(client)
+
     try:
         shutil.copytree(srv.step_1, a)
         assert admin(srv, "update_weights", {"weight_dir": str(a), "version": "a"}).status_code == 200
         a_out = generate(srv, max_tokens=12)
         assert a_out["ids"] != base_out["ids"] and a_out["versions"][0]["version"] == "a"
 
-        # B fails inside vLLM, A is restored: 500, A's exact outputs under A's label, healthy.
-        message = short_error(admin(srv, "update_weights", {"weight_dir": str(b)}), 500)
-        assert "still serving a" in message and "Expecting property name" in message  # vLLM's json.load of the index
+        # The load fails inside vLLM, A is restored: 500, A's exact outputs under A's label, healthy.
+        message = short_error(asyncio.run(fail_alone(DyingTrainer(srv, tmp_path / "sender-0.log"))), 500)
+        assert "still serving a" in message and "receiving the broadcast failed" in message
         assert generate(srv, max_tokens=12) == a_out and httpx.get(health, timeout=10).status_code == 200
 
         # A busy 2-core machine can starve this client for seconds, long enough for every request to finish before the
         # swap: then the pause caught nothing, and the scenario runs again.
-        for _attempt in range(3):
-            state = asyncio.run(fail_with_requests_in_flight())
+        for attempt in range(3):
+            trainer = DyingTrainer(srv, tmp_path / f"sender-{attempt + 1}.log")  # up before the requests start
+            state = asyncio.run(fail_with_requests_in_flight(trainer))
             message = short_error(state["failed"], 503)
             assert "restoring a" in message and "does not exist" in message
             assert state["health"].status_code == 503, state["health"].text
@@ -470,7 +516,6 @@ def test_failed_restore_reports_weights_unknown_until_a_load_succeeds(tied_serve
     finally:
         healed = admin(srv, "reload_weights")  # leave the shared server healthy and on base weights
         shutil.rmtree(a, ignore_errors=True)
-        shutil.rmtree(b, ignore_errors=True)
     assert healed.status_code == 200 and httpx.get(health, timeout=10).status_code == 200
     assert generate(srv, max_tokens=12) == base_out
 

@@ -212,7 +212,8 @@ class WeightSwapper:
             if self.unknown is None:
                 await self.engine.resume_generation()
         seconds = time.perf_counter() - start
-        logger.info(f"serving weights {version} from {str(source) if source else 'a broadcast'!r} ({seconds:.3f}s)")
+        where = repr(str(source)) if source else "a broadcast"  # a path is quoted: a newline in it cannot forge a line
+        logger.info(f"serving weights {version} from {where} (swap took {seconds:.3f}s)")
         return seconds, version
 
     async def _restore(self, load_error: Exception) -> None:
