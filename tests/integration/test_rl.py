@@ -14,10 +14,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import API_KEY
+from conftest import API_KEY, RUN_SECRET
 from rl_run import started_pid, write_rl_config
 
 from prime_rl.batch import batch_path
+from prime_rl.utils.secret import SECRET_VAR
 
 RL = str(Path(sys.executable).parent / "rl")
 KEY_VAR = "PRIME_TEST_API_KEY"
@@ -32,7 +33,7 @@ def write_config(path: Path, srv, out: Path, k: int, steps: int, extra: str = ""
 
 
 def start_rl(config: Path, *args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, KEY_VAR: API_KEY}
+    env = {**os.environ, KEY_VAR: API_KEY, SECRET_VAR: RUN_SECRET}  # the shared server's run secret
     return subprocess.Popen([RL, "@", str(config), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -70,7 +71,12 @@ NIM_MIX = REVERSE_TEXT.replace('"reverse-text"\n', '"reverse-text"\nratio = 1\n'
 )
 
 
-BROADCAST = '[weight_broadcast]\ntype = "gloo"\n'
+def broadcast(srv) -> str:
+    """The in-memory broadcast on the store address the shared server is configured with (a server takes it from
+    its own config, never from a request)."""
+    return f'[weight_broadcast]\ntype = "gloo"\nport = {srv.broadcast_port}\n'
+
+
 """The in-memory weight broadcast (the filesystem path: `rl dies[orchestrator]`, the orchestrator's and trainer's
 tests)."""
 
@@ -85,7 +91,7 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     out = srv.root / "rl" / f"k{k}"
     out.mkdir(parents=True)
     steps = k + 5
-    extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n" + BROADCAST
+    extra = "[ckpt]\ninterval = 2\nkeep_last = 1\n" + broadcast(srv)
     config = write_config(out.parent / f"k{k}.toml", srv, out, k=k, steps=steps, extra=extra, envs=NIM_MIX)
     wandb = ["--wandb.name", "exp", "--wandb.offline", "--orchestrator.log-extras.interval", "2"]  # no network
     wandb.append("--tensorboard")
@@ -166,7 +172,7 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     out = srv.root / "rl" / f"kill_{victim}"
     out.mkdir(parents=True)
     # A trainer rank killed while the in-memory broadcast is on (it may be sending); the orchestrator's run reads files.
-    extra = BROADCAST if victim == "trainer-rank" else ""
+    extra = broadcast(srv) if victim == "trainer-rank" else ""
     config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=1000, extra=extra)
     log = tmp_path / "rl.log"
     proc = start_rl(config, log=log)
@@ -217,7 +223,7 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     srv = tied_server
     out = srv.root / "rl" / "resume"
     out.mkdir(parents=True)
-    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra="[ckpt]\ninterval = 2\n" + BROADCAST)
+    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra="[ckpt]\ninterval = 2\n" + broadcast(srv))
     log1 = tmp_path / "run1.log"
     proc = start_rl(config, log=log1)
     try:
