@@ -211,4 +211,3 @@ def test_every_process_gets_the_run_secret_by_environment_only(tmp_path, monkeyp
     monkeypatch.setenv(SECRET_VAR, "x" * 40)
     provide_secret(rl_config(tmp_path, *split))
     assert os.environ[SECRET_VAR] == "x" * 40  # given: kept
-

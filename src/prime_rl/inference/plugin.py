@@ -18,7 +18,6 @@ Every route but `/health`, `/ping` and `/version` (ours and vLLM's, present and 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from prime_rl.inference.adapters import ADAPTER_NAME_PATTERN, AdapterError, Adapters
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip, safetensors_specs
+from prime_rl.utils.net import is_loopback
 from prime_rl.utils.secret import SecretError, require_secret, run_secret, token_matches
 from prime_rl.weight_broadcast.protocol import MAX_MEMBERS, read_session
 from prime_rl.weight_broadcast.store import StoreAuthError, StoreClient, StoreError
@@ -248,15 +248,6 @@ def server_tokens(args: Namespace) -> list[str]:
         return keys
     secret = run_secret()
     return [secret] if secret else []
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname, or "" / "0.0.0.0" / "::": reachable from other machines
 
 
 def open_access_problem(host: str, tokens: list[str], allow_unauthenticated: bool) -> str | None:

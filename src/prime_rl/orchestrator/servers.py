@@ -185,15 +185,17 @@ class InferenceServers:
             if self._from_trainer(step):
                 outcomes = await self._broadcast_to(urls)
             else:
-                results = await asyncio.gather(*(self._load_on(url, step) for url in urls), return_exceptions=True)
+                outcomes = await self._load_all(urls, step)
                 self.version = step  # recovering servers are moved to it before they serve again
-                outcomes = [
-                    (url, r if isinstance(r, BaseException) else None) for url, r in zip(urls, results, strict=True)
-                ]
             self._settle(outcomes)
             seconds = time.perf_counter() - start
         logger.debug(f"servers now serve policy step {self.version} ({seconds:.3f}s)")
         return seconds
+
+    async def _load_all(self, urls: list[str], step: int) -> list[tuple[str, BaseException | None]]:
+        """`pi_step` from disk on every one of `urls` at once; each server's outcome (None: it serves it)."""
+        results = await asyncio.gather(*(self._load_on(url, step) for url in urls), return_exceptions=True)
+        return [(url, r if isinstance(r, BaseException) else None) for url, r in zip(urls, results, strict=True)]
 
     def mark_failed(self, url: str, reason: str) -> None:
         """A server failed generation requests (restarted, crashed): take it out of rotation until it is healthy
@@ -244,10 +246,8 @@ class InferenceServers:
             # server moves to the newest policy, which the async level allows (newer is never too old).
             newest = self.latest_published()
             logger.warning(f"policy step {self.version} is gone from disk; moving every server to step {newest}")
-            urls = [*self.healthy(), url]
-            results = await asyncio.gather(*(self._load_on(u, newest) for u in urls), return_exceptions=True)
+            outcomes = await self._load_all([*self.healthy(), url], newest)
             self.version = newest
-            outcomes = [(u, r if isinstance(r, BaseException) else None) for u, r in zip(urls, results, strict=True)]
             self._settle(outcomes, recovering=url)
 
     def _settle(self, outcomes: list[tuple[str, BaseException | None]], recovering: str | None = None) -> None:

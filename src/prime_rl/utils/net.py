@@ -1,5 +1,6 @@
 """Small networking helpers shared by the launchers."""
 
+import ipaddress
 import socket
 
 
@@ -24,3 +25,13 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` itself names loopback (a hostname, "", "0.0.0.0" or "::" does not: others may reach them)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

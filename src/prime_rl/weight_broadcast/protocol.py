@@ -104,7 +104,7 @@ class Request:
 
     @classmethod
     def decode(cls, raw: bytes) -> Request:
-        """Raises ValueError for anything but a well-formed request (the trainer answers it with an error)."""
+        """Raises ValueError for anything but a well-formed request (the trainer drops it with a warning)."""
         data = json.loads(raw)
         if not isinstance(data, dict) or set(data) != {"id", "group", "world_size"}:
             raise ValueError("a request is a JSON object with exactly id, group and world_size")
@@ -118,15 +118,8 @@ class Request:
 def read_session(kv: Table | StoreClient, timeout: float) -> dict:
     """The trainer's `session` ({"id", "backend"}), checked."""
     session = get_json(kv, SESSION, timeout)
-    if (
-        not isinstance(session.get("id"), str)
-        or not ID.match(session["id"])
-        or session.get("backend")
-        not in (
-            "gloo",
-            "nccl",
-        )
-    ):
+    well_formed = isinstance(session.get("id"), str) and ID.match(session["id"])
+    if not well_formed or session.get("backend") not in ("gloo", "nccl"):
         raise ValueError("the store's session is malformed")
     return session
 

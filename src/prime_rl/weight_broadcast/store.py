@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
 import socket
 import struct
@@ -29,6 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from loguru import logger
 
+from prime_rl.utils.net import is_loopback
 from prime_rl.utils.secret import derive
 
 MAGIC = b"prime-rl store 1"
@@ -170,8 +170,7 @@ class Table:
             return all(k in self.data for k in keys)
 
     def delete(self, key: str) -> bool:
-        with self.changed:
-            return self.data.pop(key, None) is not None
+        return self.take(key) is not None
 
     def delete_prefix(self, prefix: str) -> int:
         with self.changed:
@@ -204,14 +203,6 @@ class Table:
             return len(self.data)
 
 
-def _names_loopback(host: str) -> bool:
-    """Whether `host` says loopback itself (then a loopback-only store is what was asked for)."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 class StoreServer:
     """Serves a `Table` to authenticated clients on `host:port` (port 0: any free port, then in `port`).
 
@@ -222,7 +213,7 @@ class StoreServer:
         self.table = table or Table()
         self.key = derive(secret, "weight-broadcast-store")
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        if ipaddress.ip_address(address[0]).is_loopback and not _names_loopback(host):
+        if is_loopback(address[0]) and not is_loopback(host):  # a loopback `host` is what was asked for
             raise OSError(
                 f"{host!r} resolves to {address[0]} on this machine, a loopback address other hosts cannot reach "
                 "(a distribution's /etc/hosts entry for its own name, often): give an address the others reach"
