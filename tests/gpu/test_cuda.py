@@ -21,11 +21,15 @@ pytestmark = [
 
 QWEN3_06B = dict(
     hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
+    vocab_size=151_936, max_position_embeddings=40_960,
 )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def qwen3_shaped(tmp_path_factory) -> Path:
+    """`scripts/gpu/run.sh` builds it once for the tests and the benchmarks (PRIME_RL_GPU_MODEL); else here."""
+    if os.environ.get("PRIME_RL_GPU_MODEL"):
+        return Path(os.environ["PRIME_RL_GPU_MODEL"])
     from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
     return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "qwen3-0.6b-shaped", **QWEN3_06B))
@@ -70,6 +74,50 @@ def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offl
     plain, offloaded = results
     assert all(torch.isfinite(torch.tensor(plain))) and plain[-1] < plain[0], plain
     assert offloaded == pytest.approx(plain, rel=1e-6), (plain, offloaded)
+
+
+def test_packed_rows_on_cuda_give_each_sample_its_own_logprobs(tmp_path):
+    """Checklist 3, the GPU twin of `tests/unit/test_trainer_logprobs.py`: samples packed into one row with restarting
+    position ids (transformers' block-diagonal attention through sdpa on CUDA) get the log-probs each sample gets
+    alone; the same tokens as one continuous sample do not (so a leak would show)."""
+    from transformers import AutoModelForCausalLM
+
+    from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
+    from prime_rl.trainer.logprobs import forward_logprobs, install_logprob_head
+    from prime_rl.trainer.packing import PackedRow, collate
+
+    path = build_tiny_model(TinyModelConfig(output=tmp_path / "tiny", hidden_size=128, num_heads=4, num_kv_heads=2))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    install_logprob_head(model, 64)  # 325 positions: 5 chunks and a remainder
+    model = model.cuda().eval()
+
+    def logprobs(samples: list[list[int]]) -> torch.Tensor:
+        n = sum(len(s) for s in samples)
+        row = PackedRow(
+            input_ids=torch.tensor([t for s in samples for t in s]),
+            position_ids=torch.cat([torch.arange(len(s)) for s in samples]),
+            loss_mask=torch.ones(n, dtype=torch.bool),
+            inference_logprobs=torch.zeros(n),
+            advantages=torch.zeros(n),
+            temperatures=torch.ones(n),
+            sample_ids=torch.cat([torch.full((len(s),), k) for k, s in enumerate(samples)]),
+            num_samples=len(samples),
+            sample_indices=list(range(len(samples))),
+        )
+        batch = collate([row], concatenate=False).to(torch.device("cuda"))
+        with torch.no_grad():
+            return forward_logprobs(model, batch)[0][0].cpu()
+
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (7, 1, 12, 5, 300)]
+    packed, start = logprobs(samples), 0
+    for s in samples:
+        # fp32 on CUDA (TF32 off for matmuls by default); only the attention mask differs, so 1e-4 is far below what
+        # attending to another sample moves (the control below: > 1e-3).
+        torch.testing.assert_close(packed[start : start + len(s)], logprobs([s]), rtol=0, atol=1e-4)
+        start += len(s)
+    a, b = samples[2], samples[4]
+    assert (logprobs([a + b])[len(a) + 1 :] - logprobs([b])[1:]).abs().max() > 1e-3
 
 
 def test_chunked_logprobs_keep_peak_memory_flat_at_qwen3_vocab_and_16k_tokens():
