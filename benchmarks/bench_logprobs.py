@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from prime_rl.trainer.logprobs import chunked_logprobs
+from prime_rl.trainer.model.logprobs import chunked_logprobs
 
 
 def rss_gib() -> float:

@@ -36,11 +36,12 @@ from prime_rl.inference.weights import safetensors_shapes
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.servers import InferenceServers
-from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import init_distributed
+from prime_rl.trainer.parallel.distributed import init_distributed
+from prime_rl.trainer.rl.batches import wait_until
+from prime_rl.trainer.rl.broadcast import WeightSender
+from prime_rl.trainer.rl.train import publish
 from prime_rl.trainer.scaffold import build_run, load_tokenizer
-from prime_rl.trainer.train import publish, wait_until
 from prime_rl.utils.net import free_port
 from prime_rl.utils.secret import SECRET_VAR, new_secret
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from reverse_text import ReverseTextConfig, ReverseTextTaskset
 
-from prime_rl.trainer.sft_data import chat_example, write_examples
+from prime_rl.trainer.sft.data import chat_example, write_examples
 
 
 def sft_rows(config: ReverseTextConfig, wrong_fraction: float = 0.0) -> list[dict]:

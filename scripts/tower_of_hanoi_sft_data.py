@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tower_of_hanoi import HanoiConfig, HanoiTaskset, format_moves, solve
 
-from prime_rl.trainer.sft_data import chat_example, write_examples
+from prime_rl.trainer.sft.data import chat_example, write_examples
 
 
 def detour(n: int, start: str, target: str, spare: str) -> str:

@@ -588,7 +588,7 @@ def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
             f"--master-addr={deploy.master_addr}",
             f"--master-port={deploy.master_port}",
         ]
-    return cmd + ["-m", "prime_rl.trainer.train", "@", str(trainer_cfg)]
+    return cmd + ["-m", "prime_rl.trainer.rl.train", "@", str(trainer_cfg)]
 
 
 def build_processes(

@@ -50,10 +50,11 @@ def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offl
     script = """
     import json, sys, torch
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.distributed import init_distributed
+    from prime_rl.trainer.parallel.distributed import init_distributed
     from prime_rl.trainer.scaffold import build_run
     from prime_rl.trainer.packing import pack_samples
-    from prime_rl.trainer.train import fake_samples, train_step
+    from prime_rl.trainer.rl.step import train_step
+    from prime_rl.trainer.rl.train import fake_samples
 
     config = TrainerConfig(model={"name": sys.argv[1]}, seq_len=4096, bench={"samples": 2},
                            optim={"type": "adamw", "lr": 1e-4, "cpu_offload": sys.argv[2] == "1"})
@@ -123,7 +124,7 @@ def test_packed_rows_on_cuda_give_each_sample_its_own_logprobs(tmp_path):
 def test_chunked_logprobs_keep_peak_memory_flat_at_qwen3_vocab_and_16k_tokens():
     """Checklist 4: the chunked head's peak memory at vocab 151,936 and 16k tokens, against the full logits (which
     alone are 16k x 151,936 x 4 bytes = 9.3 GiB in fp32)."""
-    from prime_rl.trainer.logprobs import chunked_logprobs
+    from prime_rl.trainer.model.logprobs import chunked_logprobs
 
     tokens, vocab, hidden = 16384, 151_936, 1024
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -171,8 +172,8 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     sender = """
     import json, sys, torch
     from prime_rl.config import WeightBroadcastConfig
-    from prime_rl.trainer.broadcast import WeightSender
-    from prime_rl.trainer.distributed import init_distributed
+    from prime_rl.trainer.rl.broadcast import WeightSender
+    from prime_rl.trainer.parallel.distributed import init_distributed
     from prime_rl.weight_broadcast.protocol import REQUEST, Request, served_key
     world = init_distributed()
     torch.manual_seed(0)

@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import prime_rl.trainer.broadcast as sending
+import prime_rl.trainer.rl.broadcast as sending
 from prime_rl.config import WeightBroadcastConfig
-from prime_rl.trainer.broadcast import WeightSender
-from prime_rl.trainer.distributed import init_distributed
-from prime_rl.trainer.train import wait_until
+from prime_rl.trainer.parallel.distributed import init_distributed
+from prime_rl.trainer.rl.batches import wait_until
+from prime_rl.trainer.rl.broadcast import WeightSender
 from prime_rl.weight_broadcast import protocol
 from prime_rl.weight_broadcast.protocol import ORCHESTRATOR_DONE
 

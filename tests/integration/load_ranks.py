@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
-from prime_rl.trainer import loading
-from prime_rl.trainer import model as model_module
 from prime_rl.trainer.config import TrainerModelConfig
-from prime_rl.trainer.distributed import die_with_torchrun_agent, init_distributed
-from prime_rl.trainer.model import build_model, load_arch
+from prime_rl.trainer.model import build as model_module
+from prime_rl.trainer.model import loading
+from prime_rl.trainer.model.build import build_model, load_arch
+from prime_rl.trainer.parallel.distributed import die_with_torchrun_agent, init_distributed
 
 SEED = 7
 

@@ -193,7 +193,7 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
         target = psutil.Process(started_pid(log, name))
         if victim == "trainer-rank":
             target = next(
-                p for p in target.children(recursive=True) if "prime_rl.trainer.train" in " ".join(p.cmdline())
+                p for p in target.children(recursive=True) if "prime_rl.trainer.rl.train" in " ".join(p.cmdline())
             )
         killed_at = time.monotonic()
         target.kill()

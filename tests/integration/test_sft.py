@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.sft_config import ChatDataConfig
-from prime_rl.trainer.sft_data import ChatStream, load_examples
+from prime_rl.trainer.sft.config import ChatDataConfig
+from prime_rl.trainer.sft.data import ChatStream, load_examples
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def sft(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc:
         cmd = [str(Path(sys.executable).parent / "sft")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += ["-m", "prime_rl.trainer.sft"]
+        cmd += ["-m", "prime_rl.trainer.sft.train"]
     cmd += ["--model.name", str(model_dir), "--model.dtype", "float32"]
     cmd += ["--data.type", "fake"] if data is None else ["--data.name", str(data)]
     cmd += ["--output-dir", str(output_dir), "--seq-len", "128", "--batch-size", "8", "--optim.lr", "3e-3", *args]

@@ -54,7 +54,7 @@ def write_batches(output_dir: Path, steps: range) -> None:
 
 def trainer(model_dir: Path, output_dir: Path, *args: str, nproc: int = 2, check: bool = True, popen: bool = False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "prime_rl.trainer.train"] if nproc > 1 else []
+    cmd += ["-m", "prime_rl.trainer.rl.train"] if nproc > 1 else []
     if nproc == 1:
         cmd = [str(Path(sys.executable).parent / "trainer")]
     cmd += ["--model.name", str(model_dir), "--output-dir", str(output_dir), "--seq-len", "96"]
@@ -228,7 +228,7 @@ def test_cpu_offload_without_cuda_is_a_clear_error(model_dir, tmp_path):
 def start_trainer(model_dir: Path, output_dir: Path) -> subprocess.Popen:
     """A 2-rank torchrun trainer in the background, waiting for batch 1, which never comes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "prime_rl.trainer.train", "--model.name", str(model_dir), "--output-dir", str(output_dir)]
+    cmd += ["-m", "prime_rl.trainer.rl.train", "--model.name", str(model_dir), "--output-dir", str(output_dir)]
     cmd += ["--seq-len", "96", "--model.dtype", "float32", "--max-steps", "3", "--batch-timeout", "300"]
     output_dir.mkdir(parents=True)
     with open(output_dir / "torchrun.out", "w") as out:
@@ -250,7 +250,7 @@ def ranks_of(agent: subprocess.Popen) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == agent.pid and b"prime_rl.trainer.train" in cmdline:
+        if ppid == agent.pid and b"prime_rl.trainer.rl.train" in cmdline:
             pids.append(int(stat.parent.name))
     return sorted(pids)
 

@@ -1,7 +1,7 @@
 import pytest
 import torch.distributed as dist
 
-from prime_rl.trainer.distributed import init_distributed
+from prime_rl.trainer.parallel.distributed import init_distributed
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from prime_rl.trainer.context_parallel import (
+from prime_rl.trainer.parallel.context_parallel import (
     all_to_all,
     cp_context,
     enable_context_parallel,

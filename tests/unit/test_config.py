@@ -252,7 +252,7 @@ def _shipped_configs():
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.rl import RLConfig
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.sft_config import SFTConfig
+    from prime_rl.trainer.sft.config import SFTConfig
 
     root = Path(__file__).parents[2] / "configs"
     classes = {

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.context_parallel import block_causal_mask, enable_context_parallel, pad_row, shard_row
 from prime_rl.trainer.packing import pack_samples
+from prime_rl.trainer.parallel.context_parallel import block_causal_mask, enable_context_parallel, pad_row, shard_row
 
 CP = 2
 LENGTHS = [37, 61, 23, 50]  # packed longest first: 61, 50, 37, 23 = 171 tokens, padded to 172

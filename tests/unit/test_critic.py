@@ -13,7 +13,9 @@ from prime_rl.config.loader import load_config
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.rl import RLConfig
 from prime_rl.trainer.config import CriticConfig, TrainerConfig
-from prime_rl.trainer.critic import (
+from prime_rl.trainer.packing import pack_samples
+from prime_rl.trainer.parallel.distributed import World
+from prime_rl.trainer.rl.critic import (
     ValueModel,
     critic_metrics,
     gae,
@@ -21,8 +23,6 @@ from prime_rl.trainer.critic import (
     value_loss,
     with_token_rewards,
 )
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.packing import pack_samples
 
 F64 = torch.float64
 

@@ -57,7 +57,7 @@ def test_a_trainer_node_joins_node_zeros_rendezvous(tmp_path):
         "--master-addr=10.0.0.1",
         "--master-port=29500",
     ]
-    assert cmd[-4:] == ["-m", "prime_rl.trainer.train", "@", str(tmp_path / "t.toml")]
+    assert cmd[-4:] == ["-m", "prime_rl.trainer.rl.train", "@", str(tmp_path / "t.toml")]
     assert host_tag(config).endswith("-node2")
 
 

@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer import loading
 from prime_rl.trainer.config import TrainerModelConfig
-from prime_rl.trainer.loading import CheckpointPlan, checkpoint_plan, this_ranks_plan, unreadable
-from prime_rl.trainer.model import load_arch, parameters_on_meta
+from prime_rl.trainer.model import loading
+from prime_rl.trainer.model.build import load_arch, parameters_on_meta
+from prime_rl.trainer.model.loading import CheckpointPlan, checkpoint_plan, this_ranks_plan, unreadable
 
 
 @pytest.fixture(scope="module")

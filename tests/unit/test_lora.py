@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import LoRAConfig, TrainerConfig
-from prime_rl.trainer.distributed import init_distributed
-from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.sft import fine_tune
-from prime_rl.trainer.sft_config import SFTConfig
+from prime_rl.trainer.model.lora import LoRAAdapters
+from prime_rl.trainer.parallel.distributed import init_distributed
+from prime_rl.trainer.sft.config import SFTConfig
+from prime_rl.trainer.sft.train import fine_tune
 from prime_rl.utils.monitor import Monitor
 from prime_rl.utils.net import free_port
 
@@ -95,7 +95,7 @@ def test_a_run_whose_orchestrator_exits_leaves_once_its_batches_are_trained(mode
     """The trainer tells a live orchestrator from a gone one by its output-dir lock: a run whose orchestrator exited
     leaves as soon as no batch of it is left (not after `batch_timeout`), a directory whose orchestrator is gone is
     never waited for, and the trainer is done when every run has ended."""
-    from prime_rl.trainer.runs import Runs
+    from prime_rl.trainer.rl.runs import Runs
     from prime_rl.utils.fs import write_atomic
     from prime_rl.utils.locks import OutputDirLock
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from prime_rl.trainer.loss import LossConfig, compute_loss, ratio_masks, sequence_stats, step_loss_scale
+from prime_rl.trainer.rl.loss import LossConfig, compute_loss, ratio_masks, sequence_stats, step_loss_scale
 
 F64 = torch.float64
 OBJECTIVES = ["aipo", "grpo", "gspo", "cispo"]

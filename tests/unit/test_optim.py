@@ -232,7 +232,7 @@ def test_shared_fields_have_one_definition():
 )
 def test_offloading_needs_cuda(model, optim, needle):
     from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.model import SetupError, check_device
+    from prime_rl.trainer.model.build import SetupError, check_device
 
     config = TrainerConfig(model=model, optim=optim)
     with pytest.raises(SetupError, match=needle):

@@ -14,15 +14,15 @@ from transformers import AutoModelForCausalLM
 from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import load_config
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer import train
 from prime_rl.trainer.config import LoRAConfig, LossConfig, ReferenceConfig, TrainerConfig
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.logprobs import forward_logprobs, install_logprob_head
-from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.loss import compute_loss, reference_kl
-from prime_rl.trainer.model import SetupError
+from prime_rl.trainer.model.build import SetupError
+from prime_rl.trainer.model.logprobs import forward_logprobs, install_logprob_head
+from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.packing import collate, pack_samples
-from prime_rl.trainer.reference import Reference, load_reference
+from prime_rl.trainer.parallel.distributed import World
+from prime_rl.trainer.rl import step as train
+from prime_rl.trainer.rl.loss import compute_loss, reference_kl
+from prime_rl.trainer.rl.reference import Reference, load_reference
 
 F64 = torch.float64
 LN2 = math.log(2)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from prime_rl.config.optim import ConstantSchedulerConfig, SGDConfig
 from prime_rl.trainer.ckpt import COMPLETE, CheckpointManager, Progress, complete_steps, resolve_resume_step, step_dir
-from prime_rl.trainer.config import CheckpointConfig, ConstantSchedulerConfig, SGDConfig
+from prime_rl.trainer.config import CheckpointConfig
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.weights import broadcast_dir, prune_broadcasts
 

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
-from prime_rl.trainer.sft_data import (
+from prime_rl.trainer.sft.config import ChatDataConfig, LossMaskConfig
+from prime_rl.trainer.sft.data import (
     ChatStream,
     DataError,
     DataState,

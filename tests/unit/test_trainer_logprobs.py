@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Qwen3ForCausalLM
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer.logprobs import (
+from prime_rl.trainer.model.logprobs import (
     HeadError,
     LogProbHead,
     chunked_logprobs,

@@ -15,11 +15,11 @@ from loguru import logger
 
 from prime_rl.batch import batch_path
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.train import wait_until as wait_on_rank0
+from prime_rl.trainer.rl.batches import wait_until as wait_on_rank0
 
 RANK = """
 import sys, time
-from prime_rl.trainer.distributed import die_with_torchrun_agent
+from prime_rl.trainer.parallel.distributed import die_with_torchrun_agent
 time.sleep(float(sys.argv[1]))  # an agent that dies now has not yet been watched
 die_with_torchrun_agent()
 print("armed", flush=True)
@@ -89,7 +89,7 @@ def test_a_rank_whose_agent_died_before_it_was_watched_exits(tmp_path):
 def test_a_plain_process_is_not_watched():
     # Not under torchrun (no TORCHELASTIC_RUN_ID): a `trainer` started from a shell keeps its usual life.
     env = {k: v for k, v in rank_env().items() if k != "TORCHELASTIC_RUN_ID"}
-    code = "from prime_rl.trainer.distributed import die_with_torchrun_agent; die_with_torchrun_agent(); print('ok')"
+    code = "from prime_rl.trainer.parallel.distributed import die_with_torchrun_agent; die_with_torchrun_agent(); print('ok')"
     # `& wait`: sh stays the parent (a lone command would be exec'd in its place), and sh is no Python.
     proc = subprocess.run(
         ["sh", "-c", f'{sys.executable} -c "$0" & wait', code], capture_output=True, text=True, env=env

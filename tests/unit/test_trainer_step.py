@@ -10,13 +10,14 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-from prime_rl.trainer import sft, train
 from prime_rl.trainer.config import LoRAConfig, TrainerConfig
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.logprobs import install_logprob_head
-from prime_rl.trainer.lora import LoRAAdapters
+from prime_rl.trainer.model.logprobs import install_logprob_head
+from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.packing import pack_samples, padding_row
-from prime_rl.trainer.sft_config import SFTConfig
+from prime_rl.trainer.parallel.distributed import World
+from prime_rl.trainer.rl import step as train
+from prime_rl.trainer.sft import train as sft
+from prime_rl.trainer.sft.config import SFTConfig
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 from prime_rl.config import CheckpointConfig, WeightBroadcastConfig
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.orchestrator.broadcast import BroadcastClient
-from prime_rl.trainer import train
-from prime_rl.trainer.broadcast import WeightSender, header
-from prime_rl.trainer.train import wait_until
+from prime_rl.trainer.rl import train
+from prime_rl.trainer.rl.batches import wait_until
+from prime_rl.trainer.rl.broadcast import WeightSender, header
 from prime_rl.trainer.weights import STABLE, save_hf_dir
 from prime_rl.utils.net import free_port
 from prime_rl.utils.secret import SECRET_VAR

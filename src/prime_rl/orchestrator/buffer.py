@@ -18,41 +18,11 @@ import math
 import random
 from typing import Any, Literal
 
-from pydantic import model_validator
-
-from prime_rl.config import BaseConfig
+from prime_rl.config.orchestrator import BufferConfig
 
 GroupStatus = Literal["kept", "filtered_easy", "filtered_hard"]
 
 _COUNTERS = ("filtered/easy", "filtered/hard", "retired/easy", "retired/hard")
-
-
-class BufferConfig(BaseConfig):
-    seed: int = 0
-    """Seed of the buffer's own RNG for task sampling, so a run's task order is reproducible."""
-
-    online_difficulty_filtering: bool = False
-    """Drop groups that every rollout solved (min reward >= 1) or every rollout failed (max reward <= 0).
-
-    Groups with identical rewards anywhere else also carry zero advantage; they are left to the
-    advantage-side zero-advantage filter (`zero_advantage_groups`), not handled here.
-    """
-
-    easy_threshold: float | None = None
-    """Retire a task into the easy pool once one of its groups has mean reward >= this (None disables)."""
-
-    hard_threshold: float | None = None
-    """Retire a task into the hard pool once one of its groups has mean reward <= this (None disables)."""
-
-    @model_validator(mode="after")
-    def _thresholds_are_ordered(self) -> "BufferConfig":
-        easy, hard = self.easy_threshold, self.hard_threshold
-        if easy is not None and hard is not None and not easy > hard:
-            raise ValueError(
-                f"easy_threshold ({easy}) must be > hard_threshold ({hard}), "
-                "otherwise a single group could retire its task as both easy and hard"
-            )
-        return self
 
 
 def group_status(rewards: list[float], online_difficulty_filtering: bool) -> GroupStatus:

@@ -33,7 +33,7 @@ from prime_rl.config import CheckpointConfig
 from prime_rl.utils.fs import atomic_dir
 
 if TYPE_CHECKING:
-    from prime_rl.trainer.lora import LoRAAdapters
+    from prime_rl.trainer.model.lora import LoRAAdapters
 
 COMPLETE = "COMPLETE"
 ADAPTER_CHECKPOINT = "adapter.safetensors"

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from prime_rl.trainer.config import (
+from prime_rl.config.optim import (
     AdamWConfig,
     ConstantSchedulerConfig,
     CosineSchedulerConfig,

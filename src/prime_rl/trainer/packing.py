@@ -41,7 +41,7 @@ class PackedRow:
     sample_indices: list[int]
     """Indices into the batch's sample list, in row order (empty for padding rows)."""
     slot: int = 0
-    """The run whose samples these are: its adapter slot with LoRA (`lora.py`), 0 otherwise; -1 for padding."""
+    """The run whose samples these are: its adapter slot with LoRA (`model/lora.py`), 0 otherwise; -1 for padding."""
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""The scaffold both training loops stand in: the RL `trainer` (train.py) and `sft` (sft.py).
+"""The scaffold both training loops stand in: the RL `trainer` (rl/train.py) and `sft` (sft/train.py).
 
 A loop keeps only what is its own (where samples come from, the loss, what it publishes, its extra metrics)
 and reads top to bottom; the rest is here, once:
@@ -34,12 +34,12 @@ from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import write_resolved_config
 from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume_step
 from prime_rl.trainer.config import TrainerModelConfig
-from prime_rl.trainer.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
-from prime_rl.trainer.logprobs import HeadError
-from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.model import SetupError, build_model, check_device, load_arch, stored_dtype
+from prime_rl.trainer.model.build import SetupError, build_model, check_device, load_arch, stored_dtype
+from prime_rl.trainer.model.logprobs import HeadError
+from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
 from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
+from prime_rl.trainer.parallel.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
 from prime_rl.utils.logging import setup_logging

@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from loguru import logger
 
 from prime_rl.batch import TrainingSample
-from prime_rl.trainer.sft_config import ChatDataConfig, LossMaskConfig
+from prime_rl.trainer.sft.config import ChatDataConfig, LossMaskConfig
 from prime_rl.utils.fs import write_atomic
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -4,7 +4,7 @@
     ref_logp = reference.logprobs(batch, world)                   # [N] fp32, no graph; before the policy's forward
     compute_loss(..., ref_logprobs=ref_logp, beta=...)            # + beta * k3(pi, ref) on each kept token
 
-The reference is built by the policy's own code (`model.py`'s `build_model`: FSDP2 shards, chunked log-prob head,
+The reference is built by the policy's own code (`model/build.py`'s `build_model`: FSDP2 shards, chunked log-prob head,
 context parallelism) and scored by its forward (`forward_logprobs`, same temperatures), so before the first update
 it gives exactly the policy's logprobs. It is frozen (no gradients, never in the optimizer, never checkpointed): a
 resumed run loads it again from its name. With `model.lora` the default reference is the policy's own base with
@@ -21,11 +21,11 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.logprobs import forward_logprobs
-from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.model import SetupError, build_model, load_arch
+from prime_rl.trainer.model.build import SetupError, build_model, load_arch
+from prime_rl.trainer.model.logprobs import forward_logprobs
+from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.packing import MicroBatch
+from prime_rl.trainer.parallel.distributed import World
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The LoRA training loop: one frozen base model, one adapter per run, several runs per step (`max_concurrent_runs`).
 
-    uv run trainer @ cfg.toml --model.lora [--max-concurrent-runs 4]      (`train.py`'s entry point picks this loop)
+    uv run trainer @ cfg.toml --model.lora [--max-concurrent-runs 4]      (`rl/train.py`'s entry point picks this loop)
 
 A step: rank 0 looks at the runs while it waits (who joins, who leaves, whose next batch is there; `runs.py`) ->
 every rank applies the same changes -> rank 0 reads each ready run's batch and packs it apart (its rows carry the
@@ -21,13 +21,14 @@ from loguru import logger
 from prime_rl.batch import BatchError, remove_batch
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.lora import LoRAAdapters
-from prime_rl.trainer.loss import step_loss_scale
-from prime_rl.trainer.reference import load_reference
-from prime_rl.trainer.runs import Changes, Run, Runs
+from prime_rl.trainer.model.lora import LoRAAdapters
+from prime_rl.trainer.parallel.distributed import World, broadcast_object
+from prime_rl.trainer.rl.batches import BATCH_ERRORS, load_batch, policy_versions, wait_until
+from prime_rl.trainer.rl.loss import step_loss_scale
+from prime_rl.trainer.rl.reference import load_reference
+from prime_rl.trainer.rl.runs import Changes, Run, Runs
+from prime_rl.trainer.rl.step import rl_metrics, train_step
 from prime_rl.trainer.scaffold import StepMeter, all_reduce_sums, load_model, next_rows
-from prime_rl.trainer.train import BATCH_ERRORS, load_batch, policy_versions, rl_metrics, train_step, wait_until
 from prime_rl.utils.monitor import Monitor
 
 

@@ -1,46 +1,37 @@
 """`trainer` entry point: the RL training loop, readable top to bottom.
 
     uv run trainer @ cfg.toml                                   # one process
-    uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.train @ cfg.toml
+    uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.rl.train @ cfg.toml
 
 Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
 forward/backward every micro-batch of rows (loss normalised by the step's total loss tokens) -> clip, optimizer and
 scheduler step -> publish pi_n: write `broadcasts/step_n`, or (in-memory broadcast) announce it and wait until
 the orchestrator has taken it -> delete the trained batch and the published steps nothing needs any more ->
 maybe checkpoint. What `sft` does alike (the process around the loop, model and optimizer setup, dealing out
-rows, the common metrics) is `scaffold.py`'s.
+rows, the common metrics) is `trainer/scaffold.py`'s.
 """
 
 import math
 import random
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 
-import torch
 import torch.distributed as dist
 from loguru import logger
 
-from prime_rl.batch import (
-    BatchError,
-    TrainingSample,
-    batch_path,
-    read_batch,
-    remove_batch,
-    validate_batch,
-)
+from prime_rl.batch import TrainingSample, batch_path, remove_batch
 from prime_rl.config.loader import load_config
-from prime_rl.trainer.broadcast import WeightSender
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
-from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
-from prime_rl.trainer.loss import compute_loss, step_loss_scale
-from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.parallel.distributed import World
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
-from prime_rl.trainer.reference import Reference, load_reference
+from prime_rl.trainer.rl.batches import BATCH_ERRORS, load_batch, policy_versions, wait_until
+from prime_rl.trainer.rl.broadcast import WeightSender
+from prime_rl.trainer.rl.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
+from prime_rl.trainer.rl.loss import step_loss_scale
+from prime_rl.trainer.rl.reference import load_reference
+from prime_rl.trainer.rl.step import rl_metrics, train_step
+from prime_rl.trainer.rl.train_lora import train_lora
 from prime_rl.trainer.scaffold import (
     Run,
     StepMeter,
@@ -55,16 +46,11 @@ from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, pru
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
 
-BATCH_ERRORS = (BatchError, TimeoutError)
-"""A batch that is unusable or never comes: the run stops with a message naming the file."""
-
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(TrainerConfig, "trainer", argv)
     with trainer_process("trainer", config, BATCH_ERRORS) as (world, monitor):
         if config.model.lora is not None:
-            from prime_rl.trainer.train_lora import train_lora
-
             train_lora(config, world, monitor)
         else:
             train(config, world, monitor)
@@ -144,57 +130,6 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         print(format_bench_table(bench_rows, TRAINER_BENCH_COLUMNS))
 
 
-def wait_until(
-    world: World,
-    ready: Callable[[], bool],
-    what: str,
-    timeout: float | None,
-    sender: WeightSender | None,
-    run: Run | None,
-    warn_every: float = 60.0,
-) -> None:
-    """Every rank: block until rank 0's `ready()` holds, sending the weights whenever the orchestrator asks.
-
-    Rank 0 polls and tells the other ranks what happened (they must join every transfer: gathering full tensors is
-    a collective), at least every `HEARTBEAT` seconds, so no collective waits longer than that. Warns every
-    `warn_every` seconds naming `what` it waits for; after `timeout` seconds (None: never) every rank raises
-    `TimeoutError`.
-    """
-    start = time.monotonic()
-    next_warning = start + warn_every
-    while True:
-        event: object = None
-        if world.is_main:
-            last_event, delay = time.monotonic(), 0.01
-            while event is None:
-                now = time.monotonic()
-                if ready():
-                    event = "ready"
-                elif sender is not None and sender.pending():
-                    event = "serve"
-                elif timeout is not None and now - start > timeout:
-                    event = TimeoutError(f"waited {now - start:.0f} s for {what} (timeout {timeout:g} s)")
-                elif now - last_event > HEARTBEAT:
-                    event = "alive"
-                else:
-                    if now > next_warning:
-                        logger.warning(f"waiting {now - start:.0f} s for {what}")
-                        next_warning += warn_every
-                    time.sleep(max(0.0, min(delay, next_warning - now)))
-                    delay = min(2 * delay, 0.25 if sender is None else 0.01)  # a transfer request: answered at once
-        event = broadcast_object(event, world)
-        if isinstance(event, Exception):
-            raise event
-        if event == "ready":
-            return
-        if event == "serve":
-            sender.serve(run.model, run.export_dtype)
-
-
-HEARTBEAT = 30.0
-"""Seconds rank 0 lets the other ranks wait in one collective while it waits (well under any collective timeout)."""
-
-
 def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[TrainingSample], dict]:
     """Rank 0: the checked samples of batch `step` (random ones with `--bench`) and the policy versions that
     sampled them (the batch file is deleted once trained, so the metrics keep them)."""
@@ -205,21 +140,6 @@ def take_batch(config: TrainerConfig, step: int, vocab_size: int) -> tuple[list[
     if config.critic is not None:  # the rows carry each token's reward until `critic.prepare` computes advantages
         samples = [with_token_rewards(s) for s in samples]
     return samples, policy_versions(samples)
-
-
-def load_batch(output_dir, step: int, vocab_size: int, seq_len: int) -> list[TrainingSample]:
-    """The checked samples of `rollouts/step_n/batch.bin` (`BatchError` naming the file when unusable)."""
-    path = batch_path(output_dir, step)
-    batch = read_batch(path)
-    if batch.step != step:
-        raise BatchError(f"{path}: holds step {batch.step}, expected {step}")
-    validate_batch(batch, path, vocab_size, seq_len)
-    return batch.samples
-
-
-def policy_versions(samples: list[TrainingSample]) -> dict:
-    versions = [v for s in samples for v in s.policy_versions]
-    return {"policy_version/min": min(versions, default=None), "policy_version/max": max(versions, default=None)}
 
 
 def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[TrainingSample]:
@@ -238,64 +158,6 @@ def fake_samples(config: TrainerConfig, vocab_size: int, step: int) -> list[Trai
             )
         )
     return samples
-
-
-def train_step(
-    model,
-    rows: list[PackedRow],
-    loss_scales: dict[int, float],
-    config: TrainerConfig,
-    world: World,
-    adapters=None,
-    reference: Reference | None = None,
-) -> dict[int, dict[str, float]]:
-    """Forward/backward every micro-batch of this rank; returns summed statistics per slot (rows of slot s are run s's,
-    their loss divided by `loss_scales[s]`, run s's loss tokens in the whole step). Not yet reduced across ranks; the
-    ranks of a context-parallel group compute the same ones, which only its first rank reports. `adapters`: the LoRA
-    adapters (`lora.py`), told which slot each token trains; `reference`: the frozen policy of the KL penalty."""
-    totals: dict[int, dict[str, torch.Tensor]] = {slot: {} for slot in loss_scales}
-    first = min(loss_scales)
-
-    def add(slot: int, key: str, value: torch.Tensor) -> None:
-        value = value.detach().double()
-        totals[slot][key] = totals[slot][key] + value if key in totals[slot] else value
-
-    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
-        ref_logp = reference.logprobs(batch, world) if reference is not None else None
-        with adapters.tokens(batch.slots, first) if adapters is not None else nullcontext():
-            logp, entropy = forward_logprobs(model, batch, world)
-            tokens = {name: getattr(batch, name).view(-1) for name in ("loss_mask", "inference_logprobs", "advantages")}
-            logp, entropy, sample_ids, slots = logp.view(-1), entropy.view(-1), batch.sample_ids.view(-1), batch.slots
-            present = [s for s in torch.unique(slots).tolist() if s >= 0] or [first]
-            loss = 0.0
-            for slot in present:
-                pick = whole if len(present) == 1 else partial(select, slots.view(-1) == slot)
-                mask = pick(tokens["loss_mask"])
-                kl = {} if ref_logp is None else {"ref_logprobs": pick(ref_logp), "beta": config.reference.beta}
-                slot_loss, stats = compute_loss(
-                    pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
-                    pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss, **kl,
-                )  # fmt: skip
-                loss = loss + slot_loss
-                add(slot, "loss", slot_loss)
-                add(slot, "entropy_sum", torch.where(mask, pick(entropy), 0.0).sum())
-                add(slot, "processed_tokens", torch.tensor(mask.numel() if len(present) > 1 else batch.num_tokens))
-                for key, value in stats.items():
-                    add(slot, key, value)
-            loss.backward()
-    keys = {key for slot_totals in totals.values() for key in slot_totals}  # every rank ran at least one micro-batch
-    zero = torch.zeros((), dtype=torch.float64)
-    if world.cp_rank != 0:
-        return {slot: dict.fromkeys(keys, 0.0) for slot in totals}
-    return {slot: {k: t.get(k, zero).item() for k in keys} for slot, t in totals.items()}  # one sync per statistic
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def select(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor[mask]
 
 
 def publish(
@@ -333,28 +195,6 @@ def publish(
         wait_until(world, partial(sender.taken_or_unwanted, step), what, config.batch_timeout, sender, run)
     sent = sender.pop_seconds() if sender is not None else 0.0
     return {"time_publish": written + sent, "time_wait_taken": time.perf_counter() - start - written - sent}
-
-
-def rl_metrics(sums: dict, info: dict, times: dict[str, float]) -> dict:
-    """What only RL logs: entropy, sampler/trainer mismatch, masked and clipped fractions, policy versions, and the
-    time publishing took (`time_wait_taken`: waiting for the orchestrator to take an in-memory policy)."""
-    tokens = max(info["loss_tokens"], 1)
-    samples = max(sums.get("samples", 0), 1)
-    metrics = {
-        "entropy": sums["entropy_sum"] / tokens,
-        "time_publish": times.get("time_publish", 0.0),
-        "time_wait_taken": times.get("time_wait_taken", 0.0),
-        "policy_version/min": info["policy_version/min"],
-        "policy_version/max": info["policy_version/max"],
-        "mismatch_kl": sums.get("mismatch_kl_sum", 0.0) / tokens,
-    }
-    if "ref_kl_sum" in sums:  # [reference]: the drift from the frozen reference, KL(pi || pi_ref) per loss token
-        metrics["ref_kl"] = sums["ref_kl_sum"] / tokens
-    for key in ("masked_tokens", "masked_low", "masked_high", "clipped_tokens"):
-        metrics[key.removesuffix("_tokens") + "_fraction"] = sums.get(key, 0.0) / tokens
-    for key in ("geo_masked_samples", "sequence_masked_samples"):
-        metrics[key.removesuffix("_samples") + "_fraction"] = sums.get(key, 0.0) / samples
-    return metrics
 
 
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:

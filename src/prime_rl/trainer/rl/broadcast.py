@@ -21,8 +21,8 @@ from loguru import logger
 from torch.distributed.tensor import DTensor
 
 from prime_rl.config import WeightBroadcastConfig
-from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.model import SetupError
+from prime_rl.trainer.model.build import SetupError
+from prime_rl.trainer.parallel.distributed import World, broadcast_object
 from prime_rl.utils.secret import SecretError, require_secret
 from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,

@@ -5,15 +5,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from prime_rl.config import BaseConfig, EntrypointConfig
-from prime_rl.trainer.config import (
-    AdamWConfig,
-    CheckpointConfig,
-    ConstantSchedulerConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    TrainerBenchConfig,
-    TrainerModelConfig,
-)
+from prime_rl.config.optim import AdamWConfig, ConstantSchedulerConfig, OptimizerConfig, SchedulerConfig
+from prime_rl.trainer.config import CheckpointConfig, TrainerBenchConfig, TrainerModelConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
 

@@ -6,7 +6,7 @@
         loss.backward()
     adapters.all_reduce_grads(slots, world)                    # every rank holds the same replica
     with torch.no_grad(), adapters.base_only():                # every adapter off: the frozen base alone,
-        ref_logp = forward(...)                                # the KL penalty's reference (`reference.py`)
+        ref_logp = forward(...)                                # the KL penalty's reference (`rl/reference.py`)
 
 A target layer computes `base(x) + (alpha / r) * B_s A_s dropout(x)` for the tokens of slot `s`; padding (slot -1) gets
 the base alone. The base is sharded by FSDP2 and frozen; adapters are small (r x (in + out) per layer), so every rank

@@ -9,7 +9,7 @@ keeps the hidden states and each position's log-partition; backward recomputes e
     install_logprob_head(model, chunk)                       # once, before FSDP
     logp, entropy = forward_logprobs(model, batch)           # [B, L]: log p(token t | tokens < t), 0 at sample starts
 
-`forward_logprobs` is the one forward path of both training loops (`train.py`, `sft.py`).
+`forward_logprobs` is the one forward path of both training loops (`rl/train.py`, `sft/train.py`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 
-from prime_rl.trainer.context_parallel import cp_context, gather_row, pad_row, shard_row
-from prime_rl.trainer.distributed import World
 from prime_rl.trainer.packing import MicroBatch, PackedRow, collate, micro_batches
+from prime_rl.trainer.parallel.context_parallel import cp_context, gather_row, pad_row, shard_row
+from prime_rl.trainer.parallel.distributed import World
 
 POST_PROCESSED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap")
 """Config fields of architectures whose forward changes the head's output (Gemma's soft-capping, Cohere's and

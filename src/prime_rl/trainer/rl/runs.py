@@ -28,7 +28,7 @@ import torch
 from loguru import logger
 
 from prime_rl.config.loader import fill_discriminators, load_toml
-from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.config.orchestrator import OrchestratorConfig
 from prime_rl.trainer.ckpt import (
     Progress,
     complete_steps,
@@ -39,7 +39,7 @@ from prime_rl.trainer.ckpt import (
     step_dir,
 )
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.lora import LoRAAdapters
+from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from prime_rl.trainer.weights import STABLE, broadcast_dir, prune_broadcasts
 from prime_rl.utils.fs import remove_steps_after, write_atomic

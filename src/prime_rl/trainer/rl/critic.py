@@ -25,12 +25,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from transformers import AutoModel
 
 from prime_rl.batch import TrainingSample
+from prime_rl.config.optim import ConstantSchedulerConfig
 from prime_rl.trainer.ckpt import COMPLETE, CheckpointManager, Progress, step_dir
-from prime_rl.trainer.config import ConstantSchedulerConfig, CriticConfig, TrainerModelConfig
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.loading import scatter_from_rank0
-from prime_rl.trainer.logprobs import shift_to_tokens
-from prime_rl.trainer.model import (
+from prime_rl.trainer.config import CriticConfig, TrainerModelConfig
+from prime_rl.trainer.model.build import (
     SetupError,
     check_device,
     load_arch,
@@ -39,8 +37,11 @@ from prime_rl.trainer.model import (
     shard_model,
     stored_dtype,
 )
+from prime_rl.trainer.model.loading import scatter_from_rank0
+from prime_rl.trainer.model.logprobs import shift_to_tokens
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.packing import MicroBatch, PackedRow, collate
+from prime_rl.trainer.parallel.distributed import World
 from prime_rl.trainer.scaffold import Run
 
 CHECKPOINT_NAME = "critic"

@@ -14,10 +14,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedConfig, PreTrainedModel
 
 from prime_rl.trainer.config import TrainerModelConfig
-from prime_rl.trainer.context_parallel import enable_context_parallel
-from prime_rl.trainer.distributed import World
-from prime_rl.trainer.loading import checkpoint_plan, load_shards, scatter_from_rank0
-from prime_rl.trainer.logprobs import install_logprob_head
+from prime_rl.trainer.model.loading import checkpoint_plan, load_shards, scatter_from_rank0
+from prime_rl.trainer.model.logprobs import install_logprob_head
+from prime_rl.trainer.parallel.context_parallel import enable_context_parallel
+from prime_rl.trainer.parallel.distributed import World
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

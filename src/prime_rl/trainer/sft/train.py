@@ -1,20 +1,20 @@
 """`sft` entry point: supervised fine-tuning on chat data, readable top to bottom.
 
     uv run sft @ configs/sft/tiny.toml                                   # one process
-    uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.sft @ cfg.toml
+    uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.sft.train @ cfg.toml
 
 Step n: rank 0 takes the samples of the next `batch_size` examples of the data stream, packs them into rows
 and deals them out (as the RL trainer does with a batch) -> forward/backward every micro-batch of rows (minus the
 log-prob of the loss tokens, summed, divided by the step's total) -> clip, optimizer and scheduler step -> maybe
 export `weights/step_n` -> maybe checkpoint, data position included, so a resumed run reads on from the very next
 example. `--bench` runs on random rows and writes neither. What the RL trainer does alike (the process around the
-loop, model and optimizer setup, dealing out rows, the common metrics) is `scaffold.py`'s; the forward is
+loop, model and optimizer setup, dealing out rows, the common metrics) is `trainer/scaffold.py`'s; the forward is
 `logprobs.forward_logprobs`.
 
 With `[model.lora]` (`--model.lora`) the base stays frozen (FSDP2-sharded as ever) and one LoRA adapter trains
-(`lora.py`: replicated on every rank, drawn from `seed`, its gradients summed over the ranks before the step).
+(`model/lora.py`: replicated on every rank, drawn from `seed`, its gradients summed over the ranks before the step).
 `weights/step_n` is then a peft adapter directory (`adapter_config.json`, `adapter_model.safetensors`) of the base
-`model.name`, and a checkpoint holds the adapter, its optimizer, the schedule and the data position (`ckpt.py`). To
+`model.name`, and a checkpoint holds the adapter, its optimizer, the schedule and the data position (`trainer/ckpt.py`). To
 use the adapter: `PeftModel.from_pretrained(base, "weights/step_n")` (`.merge_and_unload()` for plain weights), or
 an `inference --lora` server of the base and `/load_lora_adapter` of the directory (README, "LoRA adapters").
 """
@@ -32,9 +32,9 @@ from loguru import logger
 from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import load_config
 from prime_rl.trainer.ckpt import Progress
-from prime_rl.trainer.distributed import World, broadcast_object
-from prime_rl.trainer.logprobs import forward_logprobs, forward_passes
+from prime_rl.trainer.model.logprobs import forward_logprobs, forward_passes
 from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.parallel.distributed import World, broadcast_object
 from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
 from prime_rl.trainer.scaffold import (
     Run,
@@ -46,8 +46,8 @@ from prime_rl.trainer.scaffold import (
     next_rows,
     trainer_process,
 )
-from prime_rl.trainer.sft_config import ChatDataConfig, SFTConfig
-from prime_rl.trainer.sft_data import ChatStream, DataError, DataState, fake_samples, load_examples
+from prime_rl.trainer.sft.config import ChatDataConfig, SFTConfig
+from prime_rl.trainer.sft.data import ChatStream, DataError, DataState, fake_samples, load_examples
 from prime_rl.trainer.weights import full_state_dict, save_hf_dir, weights_dir
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning on chat data (`sft` entry point: `train.py`)."""
