@@ -35,8 +35,9 @@ from prime_rl.inference.swapper import (
 )
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip
 from prime_rl.utils.secret import SecretError, require_secret
+from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import MAX_MEMBERS, read_session
-from prime_rl.weight_broadcast.store import StoreAuthError, StoreClient, StoreError
+from prime_rl.weight_broadcast.wire import StoreAuthError, StoreError
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"
 """Version labels: echoed in every generate reply and written to the log, so short and of plain characters only."""
