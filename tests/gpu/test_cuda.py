@@ -152,7 +152,8 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     receiver = """
     import sys, time, torch
     from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
-    from prime_rl.weight_broadcast.store import StoreClient, StoreError
+    from prime_rl.weight_broadcast.client import StoreClient
+    from prime_rl.weight_broadcast.wire import StoreError
     port, out = int(sys.argv[1]), sys.argv[2]
     deadline = time.monotonic() + 120
     while True:  # the sender starts its store

@@ -13,8 +13,8 @@ import sys
 import torch
 
 from prime_rl.utils.secret import require_secret
+from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
-from prime_rl.weight_broadcast.store import StoreClient
 
 CPU = torch.device("cpu")
 HEADER_LIMIT = 1 << 20

@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
+from prime_rl.inference.access import AccessGuard, server_tokens
 from prime_rl.inference.adapters import Adapters
-from prime_rl.inference.plugin import AccessGuard, WeightsUnknownGate, WeightSwapper, router, server_tokens
+from prime_rl.inference.admin import router
+from prime_rl.inference.swapper import WeightsUnknownGate, WeightSwapper
 
 SHAPES = {"embed.weight": (10, 4), "norm.weight": (4,)}
 LORA_SHAPES = {**SHAPES, "layers.0.q_proj.weight": (6, 4), "layers.0.o_proj.weight": (4, 6)}

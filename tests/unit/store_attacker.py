@@ -39,8 +39,8 @@ def main() -> None:
     attempt(results, "stop the trainer (TCPStore client)", lambda: torch_store().set("orchestrator_done", "1"))
     attempt(results, "request a transfer (TCPStore client)", lambda: torch_store().set("request/1", "{}"))
 
+    from prime_rl.weight_broadcast.client import StoreClient
     from prime_rl.weight_broadcast.protocol import join_group
-    from prime_rl.weight_broadcast.store import StoreClient
 
     def guessed(secret: str):
         return StoreClient(host, port, secret, 3)

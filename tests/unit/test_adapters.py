@@ -11,7 +11,7 @@ from fake_engine import BASE_NAME, LORA_SHAPES, FakeEngine, admin_app, lora_tens
 
 from prime_rl.inference import weights
 from prime_rl.inference.adapters import check_adapter_dir
-from prime_rl.inference.plugin import MAX_BODY_BYTES
+from prime_rl.inference.http_io import MAX_BODY_BYTES
 from prime_rl.inference.weights import TensorSpec, WeightDirError
 
 BASE = {name: TensorSpec("BF16", shape) for name, shape in LORA_SHAPES.items()}

@@ -16,18 +16,11 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from starlette.websockets import WebSocketDisconnect
 
+from prime_rl.inference.access import open_access_problem, server_tokens
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.inference.plugin import (
-    GENERATE_PATH,
-    MAX_BODY_BYTES,
-    BodyError,
-    GenerateLogprobTokens,
-    WeightsUnknownGate,
-    open_access_problem,
-    parse_json_object,
-    rewrite_sse,
-    server_tokens,
-)
+from prime_rl.inference.http_io import MAX_BODY_BYTES, BodyError, parse_json_object
+from prime_rl.inference.logprob_tokens import GENERATE_PATH, GenerateLogprobTokens, rewrite_sse
+from prime_rl.inference.swapper import WeightsUnknownGate
 from prime_rl.inference.weights import (
     ECHO_CHARS,
     TensorSpec,

@@ -9,13 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prime_rl.models.tiny import (
-    LLAMA_ADDED_TOKENS,
-    QWEN3_ADDED_TOKENS,
-    TinyModelConfig,
-    build_tiny_model,
-    perturb_weights,
-)
+from prime_rl.models.tiny import TinyModelConfig, build_tiny_model, perturb_weights
+from prime_rl.models.tiny_tokenizer import LLAMA_ADDED_TOKENS, QWEN3_ADDED_TOKENS
 
 VOCAB = 300  # small target vocab: few BPE merges, fast to train
 QWEN3_TOKENS = [content for content, _ in QWEN3_ADDED_TOKENS]

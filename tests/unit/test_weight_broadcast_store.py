@@ -12,19 +12,15 @@ from pathlib import Path
 import pytest
 from conftest import TEST_SECRET
 
-from prime_rl.weight_broadcast.store import (
-    HANDSHAKE_SECONDS,
-    MAX_HANDSHAKES,
-    MAX_KEYS,
+from prime_rl.weight_broadcast.client import StoreClient
+from prime_rl.weight_broadcast.store import HANDSHAKE_SECONDS, MAX_HANDSHAKES, MAX_KEYS, StoreServer, Table
+from prime_rl.weight_broadcast.wire import (
     MAX_VALUE_BYTES,
     StoreAuthError,
-    StoreClient,
     StoreError,
     StoreFull,
-    StoreServer,
     StoreTimeout,
     StoreUnavailable,
-    Table,
 )
 
 ATTACKER = Path(__file__).with_name("store_attacker.py")

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             f"inference: error: port {config.server.port} on {config.server.host} is already in use (another server?); "
             "a second vLLM on it would share its connections with the first: pick another with --server.port"
         )
-    from prime_rl.inference.plugin import open_access_problem, server_tokens
+    from prime_rl.inference.access import open_access_problem, server_tokens
 
     try:
         tokens = server_tokens(build_vllm_args(config, extra))

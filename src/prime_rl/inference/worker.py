@@ -116,8 +116,8 @@ class WeightSwapExtension:
         while the membership stays the same. The store must name the session the orchestrator saw: a group of an
         earlier trainer is never joined."""
         from prime_rl.utils.secret import require_secret
+        from prime_rl.weight_broadcast.client import StoreClient
         from prime_rl.weight_broadcast.protocol import join_group, read_session
-        from prime_rl.weight_broadcast.store import StoreClient
 
         groups = self.__dict__.setdefault("_prime_groups", {})
         key = (spec["session"], spec["group"])

@@ -17,6 +17,7 @@ from loguru import logger
 
 from prime_rl.config import WeightBroadcastConfig
 from prime_rl.utils.secret import require_secret
+from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,
     PUBLISHED,
@@ -27,7 +28,7 @@ from prime_rl.weight_broadcast.protocol import (
     read_session,
     served_key,
 )
-from prime_rl.weight_broadcast.store import StoreAuthError, StoreClient, StoreError
+from prime_rl.weight_broadcast.wire import StoreAuthError, StoreError
 
 WARN_EVERY = 60.0
 

@@ -32,7 +32,8 @@ from datetime import timedelta
 
 import torch
 
-from prime_rl.weight_broadcast.store import GroupStore, StoreClient, Table
+from prime_rl.weight_broadcast.client import GroupStore, StoreClient
+from prime_rl.weight_broadcast.store import Table
 
 SESSION = "session"
 """{"id": hex, "backend": "gloo" | "nccl"}: the trainer process and its group backend; written once by rank 0."""
