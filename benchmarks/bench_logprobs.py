@@ -5,7 +5,7 @@
 
 `full` is what the trainer did before the chunked head: logits of the whole row, upcast to fp32, / T,
 log-softmax, the target's log-prob, entropy from the same log-softmax (no grad). `chunked` is
-`prime_rl.trainer.logprobs.chunked_logprobs`. On CPU each variant runs in a subprocess of its own and reports
+`prime_rl.trainer.model.logprobs.chunked_logprobs`. On CPU each variant runs in a subprocess of its own and reports
 its peak RSS (ru_maxrss) and the RSS held before the head ran (inputs, torch itself); on CUDA both run here
 and report torch.cuda.max_memory_allocated above the inputs.
 """

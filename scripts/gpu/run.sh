@@ -101,7 +101,7 @@ if torch.cuda.is_available():
     print("GPU", p.name, f"{p.total_memory / 2**30:.0f} GiB,", p.multi_processor_count, "SMs")
 else:
     print("no CUDA device: the CUDA parts are skipped")
-import prime_rl.trainer.train  # noqa: E402,F401
+import prime_rl.trainer.rl.train  # noqa: E402,F401
 
 print("the trainer imports")
 EOF
@@ -135,7 +135,7 @@ part tests 240 env PRIME_RL_GPU_MODEL="$model" "$python" -m pytest -m gpu tests/
 bench() {
     local name=$1
     shift
-    part "$name" 100 "$python" -m prime_rl.trainer.train --model.name "$model" --model.dtype "$dtype" \
+    part "$name" 100 "$python" -m prime_rl.trainer.rl.train --model.name "$model" --model.dtype "$dtype" \
         --seq-len "$seq_len" --bench --bench.samples 2 --bench.steps 4 --output-dir "${TMPDIR:-/tmp}/prime-rl-gpu-out" "$@"
 }
 bench bench

@@ -84,7 +84,7 @@ def test_packed_rows_on_cuda_give_each_sample_its_own_logprobs(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
-    from prime_rl.trainer.logprobs import forward_logprobs, install_logprob_head
+    from prime_rl.trainer.model.logprobs import forward_logprobs, install_logprob_head
     from prime_rl.trainer.packing import PackedRow, collate
 
     path = build_tiny_model(TinyModelConfig(output=tmp_path / "tiny", hidden_size=128, num_heads=4, num_kv_heads=2))
