@@ -121,7 +121,7 @@ if [ $dry_run = 1 ]; then
     seq_len=256 dtype=float32 vocab=4096
 else
     shape=(--hidden-size 1024 --num-layers 28 --num-heads 16 --num-kv-heads 8 --head-dim 128
-        --intermediate-size 3072 --vocab-size 151936 --max-position-embeddings 40960)
+        --intermediate-size 3072 --pad-vocab-to 151936 --max-position-embeddings 40960)
     seq_len=16384 dtype=bfloat16 vocab=151936
 fi
 # (a rerun of one part on a fresh machine needs the model too)

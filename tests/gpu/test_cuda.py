@@ -21,7 +21,7 @@ pytestmark = [
 
 QWEN3_06B = dict(
     hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
-    vocab_size=151_936, max_position_embeddings=40_960,
+    pad_vocab_to=151_936, max_position_embeddings=40_960,
 )  # fmt: skip
 
 
@@ -35,18 +35,20 @@ def qwen3_shaped(tmp_path_factory) -> Path:
     return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "qwen3-0.6b-shaped", **QWEN3_06B))
 
 
-def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
 def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offload(qwen3_shaped, tmp_path):
     """Checklist 1: FSDP2 on CUDA/NCCL, bf16 compute and fp32 masters, the Qwen3-0.6B-shaped model: the loss of one
-    fixed batch falls over a few steps; `optim.cpu_offload` gives the same losses (the same arithmetic on the GPU)."""
+    fixed batch falls over a few steps; `optim.cpu_offload` gives the same losses (the same arithmetic on the GPU).
+    GRPO's clipped loss, because its value is what its gradient descends (AIPO's multiplies a detached importance
+    weight, so its value may rise while the objective improves)."""
     script = """
     import json, sys, torch
     from prime_rl.trainer.config import TrainerConfig
@@ -56,14 +58,14 @@ def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offl
     from prime_rl.trainer.rl.step import train_step
     from prime_rl.trainer.rl.train import fake_samples
 
-    config = TrainerConfig(model={"name": sys.argv[1]}, seq_len=4096, bench={"samples": 2},
+    config = TrainerConfig(model={"name": sys.argv[1]}, seq_len=4096, loss={"objective": "grpo"}, bench={"samples": 2},
                            optim={"type": "adamw", "lr": 1e-4, "cpu_offload": sys.argv[2] == "1"})
     world = init_distributed()
     run = build_run(config, world, "trainer", 5, "testing")
     rows = pack_samples(fake_samples(config, run.model.config.vocab_size, 1), config.seq_len)
     losses = []
     for _ in range(5):
-        totals = train_step(run.model, rows, sum(r.num_loss_tokens for r in rows), config, world)
+        totals = train_step(run.model, rows, {0: float(sum(r.num_loss_tokens for r in rows))}, config, world)[0]
         run.optimizer_step(1.0)
         losses.append(totals["loss"])
     print("LOSSES", json.dumps(losses))
@@ -155,14 +157,15 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     from prime_rl.weight_broadcast.client import StoreClient
     from prime_rl.weight_broadcast.wire import StoreError
     port, out = int(sys.argv[1]), sys.argv[2]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 60
     while True:  # the sender starts its store
         try:
             store = StoreClient("127.0.0.1", port, "gpu-test-secret-0123456789", 60)
             break
-        except StoreError:
-            assert time.monotonic() < deadline
+        except StoreError as e:
+            assert time.monotonic() < deadline, f"the sender's store never answered: {e}"
             time.sleep(0.2)
+    print("receiver: connected", flush=True)
     assert read_session(store, 60)["backend"] == "nccl"
     group = join_group(store, "ab" * 16, 1, 2, "nccl", 60)
     device = torch.device("cuda", 0)
@@ -179,7 +182,7 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     world = init_distributed()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
-    sender = WeightSender(WeightBroadcastConfig(type="nccl", port=int(sys.argv[1]), timeout=60), world)
+    sender = WeightSender(WeightBroadcastConfig(type="nccl", port=int(sys.argv[1]), timeout=30), world)
     sender.publish(1)
     sender.table.set(REQUEST, Request("cd" * 16 + "-1", "ab" * 16, 2).encode())
     sender.serve(model, torch.bfloat16)
@@ -188,12 +191,17 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     sender.close()
     """
     (tmp_path / "receiver.py").write_text(textwrap.dedent(receiver))
-    recv = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), str(port), str(tmp_path / "got.pt")])
+    recv = subprocess.Popen(
+        [sys.executable, str(tmp_path / "receiver.py"), str(port), str(tmp_path / "got.pt")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
-        out = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt")).stdout
-        assert recv.wait(120) == 0
+        sent = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt"), check=False)
+        received = recv.communicate(timeout=90)[0]
     finally:
         recv.kill()
-    assert '"error": null' in out
-    sent, got = torch.load(tmp_path / "sent.pt"), torch.load(tmp_path / "got.pt")
-    assert sent.keys() == got.keys() and all(torch.equal(sent[n], got[n]) for n in sent)
+    report = f"sender:\n{sent.stdout[-3000:]}{sent.stderr[-5000:]}\nreceiver:\n{received[-5000:]}"
+    assert sent.returncode == 0 and recv.returncode == 0, report
+    assert '"error": null' in sent.stdout, report
+    ours, theirs = torch.load(tmp_path / "sent.pt"), torch.load(tmp_path / "got.pt")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
+
 from prime_rl.config import BaseConfig
 from prime_rl.models.tiny_tokenizer import DEFAULT_ALPHABET, build_tokenizer
 from prime_rl.utils.fs import atomic_dir
@@ -54,6 +56,10 @@ class TinyModelConfig(BaseConfig):
     vocab_size: int = 512
     """Target vocabulary size including the special tokens (the BPE may stop short on a tiny corpus)."""
 
+    pad_vocab_to: int | None = Field(None, ge=1)
+    """Embedding (and LM-head) rows to allocate beyond the tokenizer's, as real models pad theirs (Qwen3: 151,669
+    tokens in 151,936 rows), so a model of a real one's shape costs what it costs in memory and FLOPs."""
+
     max_position_embeddings: int = 4096
     """Longest sequence the model config (and the tokenizer's `model_max_length`) allows."""
 
@@ -71,7 +77,7 @@ def _build_model_config(config: TinyModelConfig, tokenizer):
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(len(tokenizer), config.pad_vocab_to or 0),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
