@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from prime_rl.config.loader import load_config
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl import RLConfig, bench_rows, bench_table
+from prime_rl.rl import RLConfig
+from prime_rl.rl.bench import bench_rows, bench_table
 from prime_rl.utils.bench import Column, format_bench_table
 
 

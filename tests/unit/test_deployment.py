@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.loader import load_config
-from prime_rl.rl import (
-    API_KEY_VAR,
-    RLConfig,
-    build_processes,
-    host_tag,
-    provide_secret,
-    publish_run,
-    seed_environment,
-    trainer_command,
-    wait_for_run,
-)
+from prime_rl.rl import RLConfig
+from prime_rl.rl.config import API_KEY_VAR
+from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
+from prime_rl.rl.preflight import provide_secret
+from prime_rl.rl.processes import build_processes, trainer_command
 from prime_rl.utils.secret import SECRET_VAR
 
 INFERENCE = '[inference]\n[inference.server]\nhost = "10.0.0.7"\nport = 8100\n'
@@ -131,7 +125,7 @@ def test_a_trainer_host_waits_for_its_run_and_gives_up_naming_it(tmp_path, capsy
 def test_a_started_server_gets_its_key_by_environment_not_as_a_masked_file_value(tmp_path, monkeypatch):
     """The launch config of `inference` is written with secrets masked; a masked key in the file would beat the
     environment and the server would require the literal mask (every orchestrator request then gets 401)."""
-    from prime_rl.rl import build_processes, orchestrators
+    from prime_rl.rl.processes import build_processes, orchestrators
 
     monkeypatch.setenv("PRIME_DEPLOYMENT__INFERENCE_API_KEY", "k-9")
     config = rl_config(tmp_path)

@@ -4,7 +4,8 @@ trainer gets a slot per run and the server an adapter per run; contradictions ar
 import pytest
 
 from prime_rl.config.loader import load_config
-from prime_rl.rl import RLConfig, build_processes, orchestrators
+from prime_rl.rl import RLConfig
+from prime_rl.rl.processes import build_processes, orchestrators
 
 BASE = """
 max_steps = 5

@@ -1,0 +1,73 @@
+"""`main`: the order of an `rl` run, from loading the config to the exit code.
+
+Seed variables, config, run secret, preflight checks, the output-dir lock, resume, logging, the resolved config,
+cleaning stale outputs (or waiting for the host that does), then `launch`; with `--bench`, the table last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from loguru import logger
+
+from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.rl.bench import metrics_size, print_bench_table
+from prime_rl.rl.config import RLConfig
+from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
+from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_secret
+from prime_rl.rl.processes import orchestrators
+from prime_rl.rl.resume import clean_stale_outputs, resolve_resume, resolve_run_resumes
+from prime_rl.rl.supervise import launch
+from prime_rl.utils.locks import OutputDirBusy, check_free
+from prime_rl.utils.logging import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Exits with the run's code: 0 done, 1 a process failed, 2 refused before anything started, 130 interrupted."""
+    seed_environment(os.environ)
+    config, _ = load_config(RLConfig, "rl", argv)
+    provide_secret(config)
+    roles = config.deployment.roles
+    names = {config.trainer.model.name} if "trainer" in roles else set()
+    if config.inference is not None and "inference" in roles:
+        names.add(config.inference.model.name)
+    for name in names:
+        check_model_exists(name)
+    tag = host_tag(config)
+    orchs = orchestrators(config) if "orchestrator" in roles else {}
+    writers = ["orchestrator"] if "orchestrator" in roles and not config.runs else []
+    writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
+    lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
+    for orch in orchs.values() if config.runs else []:
+        try:
+            check_free(orch.output_dir, ["orchestrator"])
+        except OutputDirBusy as e:
+            fail(str(e))
+    check_environments(list(orchs.values()))
+    resume_step = None
+    if not config.runs and ("inference" not in roles or len(roles) > 1):
+        resume_step = resolve_resume(config)
+    file_name = config.log.file or f"rl{tag}.log"
+    setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=file_name)
+    write_resolved_config(config, f"rl{tag}")
+    if config.runs:
+        resolve_run_resumes(orchs)
+    if "orchestrator" in roles:
+        for orch in orchs.values():
+            clean_stale_outputs(orch.output_dir, orch.ckpt.resume_step if orch.ckpt is not None else None)
+        if not config.deployment.single_host:
+            publish_run(config, resume_step)
+    elif "trainer" in roles:
+        wait_for_run(config)
+    if resume_step is not None:
+        resumed = [r for r in ("trainer", "orchestrator") if r in roles]  # the order the single-host log always had
+        logger.info(f"resuming {' and '.join(resumed)} from step {resume_step}")
+    if config.bench is not None:
+        logger.info(f"bench: {config.bench.steps} steps, checkpoints and W&B off; a table follows the run")
+    metrics_start = metrics_size(config.output_dir)
+    code = launch(config, orchs)
+    if code == 0 and config.bench is not None and {"orchestrator", "trainer"} & set(roles):
+        print_bench_table(config.output_dir, metrics_start)
+    lock.release()
+    sys.exit(code)

@@ -1,0 +1,78 @@
+"""Preflight: everything that can be wrong is found before any process starts.
+
+A missing model directory, a bad environment, an output dir another run still writes to, a run secret that is
+missing or malformed: each ends `rl` with one line and exit code 2 (`fail`, like a config error), before vLLM
+spends a minute or two starting and before three processes each print their own traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.rl.config import RLConfig
+from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
+from prime_rl.utils.secret import SECRET_VAR, SecretError, new_secret, run_secret
+
+
+def fail(message: str) -> None:
+    """Preflight errors exit like config errors: one line, exit code 2, nothing started."""
+    print(f"rl: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_exists(name: str) -> None:
+    """A local-looking model path that does not exist is an error now, not a traceback in three processes later."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return
+    local_looking = name.startswith(("/", ".", "~")) or Path(name.split("/")[0]).is_dir()
+    if local_looking or os.environ.get("HF_HUB_OFFLINE") == "1":
+        fail(f"model directory {name!r} does not exist (build it, e.g. `uv run tiny-model --output {name}`)")
+
+
+def check_environments(orchestrators: list[OrchestratorConfig]) -> None:
+    """Load every environment and check its prompts against seq_len, as the orchestrators will: a bad environment
+    config is reported now, not after a minute or two of vLLM start-up (runs with the same environments: once)."""
+    from prime_rl.orchestrator.orchestrator import load_environments
+
+    checked = []
+    for orch in orchestrators:
+        key = (orch.model, orch.seq_len, orch.sampling.max_tokens, orch.env)
+        if key in checked:
+            continue
+        checked.append(key)
+        try:
+            orch.model.renderer_config()
+            load_environments(orch)
+        except (RuntimeError, ValueError) as e:
+            fail(str(e))
+
+
+def claim_output_dir(output_dir: Path, name: str, roles: list[str]) -> OutputDirLock:
+    """Refuse to start while another run (or a process it left behind) writes to `output_dir`: two trainers or
+    orchestrators there would consume each other's batches. Held until `rl` exits; the kernel drops it if we die."""
+    try:
+        lock = OutputDirLock(output_dir, name)
+        check_free(output_dir, roles)
+    except OutputDirBusy as e:
+        fail(str(e))
+    return lock
+
+
+def provide_secret(config: RLConfig) -> None:
+    """Every process of the run gets the run secret by environment: the one given, or on one host a new one. Hosts
+    of one run must share theirs, so a run over several hosts refuses to make one up."""
+    try:
+        if run_secret() is not None:
+            return
+    except SecretError as e:
+        fail(str(e))
+    if not config.deployment.single_host:
+        fail(
+            f"a run over several hosts needs the same run secret on every host: set {SECRET_VAR} "
+            f"(e.g. `export {SECRET_VAR}=$(openssl rand -hex 32)`; deploy/slurm and the Helm chart do it for you)"
+        )
+    os.environ[SECRET_VAR] = new_secret()  # inherited by every process `rl` starts, never written anywhere

@@ -1,0 +1,79 @@
+"""The processes a host starts, built but not started: each one's command, environment, config file and log.
+
+Each process gets its section of `RLConfig` as a TOML file under `output_dir/configs/rl<tag>/`, so it can be
+rerun by hand with the exact config `rl` gave it; secrets go by environment only (a file would hold them masked).
+The trainer runs under `torchrun` on its own GPUs; with `[[runs]]` there is one orchestrator per run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from prime_rl.config.loader import to_toml
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.rl.config import API_KEY_VAR, RLConfig
+from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.processes import Process
+
+BIN = Path(sys.executable).parent
+
+
+def write_section(config, path: Path) -> Path:
+    write_atomic(path, to_toml(config).encode())
+    return path
+
+
+def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
+    """torchrun on this host's GPUs: standalone on one node, else a static rendezvous at node 0."""
+    deploy = config.deployment
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(config.trainer_gpu_ids)}"]
+    if deploy.trainer_nodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={deploy.trainer_nodes}",
+            f"--node-rank={deploy.trainer_node_rank}",
+            f"--master-addr={deploy.master_addr}",
+            f"--master-port={deploy.master_port}",
+        ]
+    return cmd + ["-m", "prime_rl.trainer.rl.train", "@", str(trainer_cfg)]
+
+
+def build_processes(
+    config: RLConfig, orchs: dict[str, OrchestratorConfig], log_dir: Path, tag: str
+) -> dict[str, Process]:
+    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`."""
+    out = config.output_dir
+    launch_dir = out / "configs" / f"rl{tag}"
+    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    roles, processes = config.deployment.roles, {}
+    api_key = config.api_key()
+    if config.inference is not None and "inference" in roles:
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
+        if api_key is not None:
+            env["PRIME_SERVER__API_KEY"] = api_key
+        # The key goes by environment: the file would hold it masked, and a file value beats the environment.
+        keyless = config.inference.server.model_copy(update={"api_key": None})
+        cfg = write_section(config.inference.model_copy(update={"server": keyless}), launch_dir / "inference.toml")
+        cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
+        processes["inference"] = Process("inference", cmd, env, log_dir / f"inference{tag}.out")
+    if "orchestrator" in roles:
+        env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
+        for role, orch in orchs.items():
+            stem = role.replace("/", ".")  # orchestrator/<run> -> orchestrator.<run>.toml, .out
+            cmd = [str(BIN / "orchestrator"), "@", str(write_section(orch, launch_dir / f"{stem}.toml"))]
+            processes[role] = Process(role, cmd, env, log_dir / f"{stem}{tag}.out")
+    if "trainer" in roles:
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)), "OMP_NUM_THREADS": "1"}
+        cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
+        processes["trainer"] = Process("trainer", cmd, env, log_dir / f"trainer{tag}.out")
+    return processes
+
+
+def orchestrators(config: RLConfig) -> dict[str, OrchestratorConfig]:
+    """The orchestrators `rl` starts, by role name: `orchestrator`, or with `runs` one `orchestrator/<name>` each."""
+    if not config.runs:
+        return {"orchestrator": config.orchestrator}
+    return {f"orchestrator/{name}": orch for name, orch in config.run_orchestrators().items()}

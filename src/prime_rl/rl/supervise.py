@@ -1,0 +1,151 @@
+"""Start this host's processes and supervise them as one run.
+
+Inference first, until healthy; then the orchestrator(s) and the trainer. Every process runs in its own process
+group; when one fails, or on Ctrl-C, all are stopped (SIGTERM, then SIGKILL after `stop_grace`) and `rl` exits
+non-zero naming the process, its exit code and the end of its output. Meanwhile the console follows the
+orchestrators' and trainer's step lines and warnings (`follow_logs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.rl.config import RLConfig, client_host
+from prime_rl.rl.deploy import host_tag
+from prime_rl.rl.processes import build_processes
+from prime_rl.utils.health import wait_healthy
+from prime_rl.utils.processes import Process, stop_all
+
+TRAINER_DONE_GRACE = 60.0
+"""Seconds a run's orchestrator may still run after the trainer finished (its last checkpoint, W&B)."""
+
+# Lines of the orchestrator's and trainer's logs shown on the console: step lines, and warnings and errors.
+STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| (step \d+ \|.*)$")
+PROBLEM_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL)\s+\| \S+ \| [^|]+ \| (.*)$")
+
+
+def follow_logs(logs: dict[str, Path], stop: threading.Event) -> None:
+    """Print the step lines (and warnings) of the orchestrator and trainer logs (label -> file) on the console, from
+    what is written after we start: a resumed run appends to the logs of the run it continues, whose lines were
+    shown."""
+    files: dict[str, object] = {}
+    start_at = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
+    while not stop.is_set():
+        for name, path in logs.items():
+            if name not in files:
+                if not path.exists():
+                    continue
+                files[name] = open(path, errors="replace")
+                files[name].seek(start_at[name])
+            for line in files[name].readlines():
+                if m := STEP_LINE.search(line.rstrip()):
+                    print(f"[{name}] {m.group(1)}", flush=True)
+                elif m := PROBLEM_LINE.search(line.rstrip()):
+                    print(f"[{name}] {m.group(1)}: {m.group(2)}", flush=True)
+        stop.wait(0.5)
+    for f in files.values():
+        f.close()
+
+
+def wait_for_inference(config: RLConfig, inference: Process, interrupted: list) -> None:
+    """Until the server started here is healthy; in slices, so Ctrl-C is honoured while vLLM starts."""
+    url = f"http://{client_host(config.inference.server.host)}:{config.inference.server.port}"
+    logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
+    deadline = time.monotonic() + config.inference_timeout
+    while True:
+        if interrupted:
+            raise KeyboardInterrupt
+        try:
+            slice_ = min(2.0, max(0.1, deadline - time.monotonic()))
+            asyncio.run(wait_healthy([url], slice_, process=inference, warn_every=float("inf")))
+            break
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"inference not healthy after {config.inference_timeout:.0f}s:\n{inference.tail()}"
+                ) from None
+    logger.info("inference is healthy")
+
+
+def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig]) -> int:
+    """Start this host's roles and supervise them: the run ends when its orchestrator and trainer (those started
+    here) finish; a host that only serves inference runs until it is stopped. With `runs`, a run whose orchestrator
+    fails ends alone (the trainer sees it go and trains the others) and `rl` exits 1 once the rest have finished."""
+    out = config.output_dir
+    log_dir = out / "logs"
+    tag = host_tag(config)
+    processes = build_processes(config, orchs, log_dir, tag)
+    inference = processes.get("inference")
+    finishers = [p for role, p in processes.items() if role != "inference"]
+    runs = {role: p for role, p in processes.items() if role.startswith("orchestrator/")}
+    failed_runs: list[str] = []
+    trainer_done_at: float | None = None
+
+    stop_following = threading.Event()
+    followed = {role: Path(orch.output_dir) / "logs" / "orchestrator.log" for role, orch in orchs.items()}
+    if "trainer" in processes:
+        followed["trainer"] = log_dir / "trainer.log"
+    follower = threading.Thread(target=follow_logs, args=(followed, stop_following))
+    follower.daemon = True
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if inference is not None:
+            inference.start()
+            if finishers:
+                wait_for_inference(config, inference, interrupted)
+        for p in finishers:
+            p.start()
+        follower.start()
+        while True:
+            if interrupted:
+                raise KeyboardInterrupt
+            for p in processes.values():
+                code = p.poll()
+                if code is None or (code == 0 and p is not inference) or p.name in failed_runs:
+                    continue
+                what = "exited" if code == 0 else f"failed with exit code {code}"
+                if p.name in runs:
+                    logger.error(f"{p.name} {what}; the other runs go on. Last lines of {p.output}:\n{p.tail()}")
+                    failed_runs.append(p.name)
+                    continue
+                logger.error(f"{p.name} {what}; stopping the run. Last lines of {p.output}:\n{p.tail()}")
+                return 1
+            left = [role for role, p in runs.items() if p.poll() is None]
+            if runs and "trainer" in processes and processes["trainer"].poll() == 0 and left:
+                # The trainer ends once every run left it: an orchestrator still running gets a moment to finish.
+                trainer_done_at = trainer_done_at or time.monotonic()
+                if time.monotonic() - trainer_done_at > TRAINER_DONE_GRACE:
+                    logger.error(f"the trainer has finished but {', '.join(left)} did not: stopping them")
+                    return 1
+            if finishers and all(p.poll() is not None for p in finishers) and failed_runs:
+                logger.error(f"{', '.join(failed_runs)} failed; the others completed (output in {out})")
+                return 1
+            if finishers and all(p.poll() == 0 for p in finishers):
+                logger.success(f"run finished: {' and '.join(p.name for p in finishers)} completed (output in {out})")
+                return 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        logger.warning("interrupted: stopping every process")
+        return 130
+    except RuntimeError as e:
+        logger.error(str(e))
+        return 1
+    finally:
+        stop_all(list(processes.values()), config.stop_grace)
+        stop_following.set()
+        if follower.is_alive():
+            follower.join(2)
