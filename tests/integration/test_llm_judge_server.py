@@ -25,7 +25,8 @@ def requests_finished(url: str) -> float:
 def test_our_server_as_the_judge(tied_server, verifiers_loop, monkeypatch):
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
-    from prime_rl.orchestrator.worker import RunGroup, Worker
+    from prime_rl.orchestrator.messages import RunGroup
+    from prime_rl.orchestrator.worker import Worker
 
     srv = tied_server
     monkeypatch.setenv(KEY_VAR, API_KEY)

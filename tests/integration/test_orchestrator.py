@@ -123,7 +123,9 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
 
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
-    from prime_rl.orchestrator.worker import RunGroup, Worker, install_version_capture
+    from prime_rl.orchestrator.messages import RunGroup
+    from prime_rl.orchestrator.patches import install_version_capture
+    from prime_rl.orchestrator.worker import Worker
 
     srv = tied_server
     monkeypatch.setenv(KEY_VAR, API_KEY)
@@ -393,7 +395,8 @@ def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, v
     from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
-    from prime_rl.orchestrator.worker import RunGroup, Worker
+    from prime_rl.orchestrator.messages import RunGroup
+    from prime_rl.orchestrator.worker import Worker
     from prime_rl.utils.net import free_port
 
     monkeypatch.setenv(KEY_VAR, API_KEY)

@@ -9,11 +9,11 @@ from prime_rl.config import CheckpointConfig
 from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import RunningMean
 from prime_rl.orchestrator.config import OrchestratorConfig
+from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.orchestrator.orchestrator import batch_mean_rewards, batch_samples
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.orchestrator.scheduler import Group
 from prime_rl.orchestrator.temperature import TemperatureController
-from prime_rl.orchestrator.worker import RolloutResult
 
 
 def rollout(reward: float, sampled: int = 1, seat: str = "agent", temperature: float | None = None) -> RolloutResult:

@@ -130,10 +130,10 @@ def test_rl_shares_wandb_with_trainer_and_orchestrator(tmp_path, capsys):
 
 def test_orchestrator_log_extras(tmp_path):
     from prime_rl.orchestrator.config import LogExtrasConfig
+    from prime_rl.orchestrator.messages import RolloutResult
     from prime_rl.orchestrator.orchestrator import batch_samples, log_extras
     from prime_rl.orchestrator.samples import SampleTokens
     from prime_rl.orchestrator.scheduler import Group
-    from prime_rl.orchestrator.worker import RolloutResult
 
     groups = []
     for g in range(4):

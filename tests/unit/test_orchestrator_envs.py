@@ -10,10 +10,11 @@ import verifiers.v1 as vf
 from prime_rl.orchestrator.buffer import Buffer, BufferConfig
 from prime_rl.orchestrator.config import EnvConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import env_config_data, load_env, load_tasks
+from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.orchestrator.orchestrator import batch_samples
+from prime_rl.orchestrator.results import untrainable_sampling
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.orchestrator.scheduler import Group, Liveness, StallError
-from prime_rl.orchestrator.worker import RolloutResult, untrainable_sampling
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))  # the test environments
 

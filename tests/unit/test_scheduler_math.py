@@ -1,8 +1,8 @@
 """The off-policy bound's arithmetic (DESIGN section 2)."""
 
+from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.orchestrator.scheduler import Group, min_policy_for, seat_rewards, target_batch, trained_rollouts
-from prime_rl.orchestrator.worker import RolloutResult
 
 
 def test_min_policy_for_batch():
@@ -64,8 +64,8 @@ def test_a_server_that_restarted_unnoticed_is_caught_by_its_token_versions():
     although the group started on policy 3. The group is dropped as stale and the server is sent to recovery,
     which loads the current policy before it serves again."""
     from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.messages import GroupDone
     from prime_rl.orchestrator.scheduler import Scheduler
-    from prime_rl.orchestrator.worker import GroupDone
 
     servers = RecordingServers()
     scheduler = Scheduler(OrchestratorConfig(), buffer=None, tasks={}, servers=servers, workers=None)
@@ -79,8 +79,8 @@ def test_a_group_whose_server_failed_is_retried_and_the_server_paused():
     """A retryable failure (the server died mid-generation): the server goes to recovery and the group is queued
     to run again (on whichever server is healthy then); once its retries are spent it is dropped."""
     from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.messages import GroupDone
     from prime_rl.orchestrator.scheduler import Scheduler
-    from prime_rl.orchestrator.worker import GroupDone
 
     servers = RecordingServers()
     scheduler = Scheduler(OrchestratorConfig(max_retries=1), buffer=None, tasks={}, servers=servers, workers=None)

@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from prime_rl.orchestrator.config import OrchestratorConfig, TrainSamplingConfig
+from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.orchestrator.temperature import TemperatureController, next_temperature, reward_spread
-from prime_rl.orchestrator.worker import RolloutResult
 
 
 def step(t, spread, threshold=0.0, up=2.0, down=0.5, low=0.5, high=1.6):
@@ -137,8 +137,8 @@ def test_scheduler_sends_each_group_at_its_environments_temperature_and_observes
     filter_zero_advantage, yet still raises the temperature to 1.25); the next group goes out at 1.25; a varied
     group relaxes it to 1.0 (1.25 * 0.8)."""
     from prime_rl.orchestrator.buffer import Buffer, BufferConfig
+    from prime_rl.orchestrator.messages import GroupDone
     from prime_rl.orchestrator.scheduler import Group, Scheduler
-    from prime_rl.orchestrator.worker import GroupDone
 
     config = OrchestratorConfig(sampling={"temperature_scaling": {"up": 1.25, "down": 0.8}}, filter_zero_advantage=True)
     controller = TemperatureController(config.sampling, ["e"])

@@ -8,7 +8,7 @@ from aiohttp import web
 from pydantic._internal import _fields
 
 import prime_chat
-from prime_rl.orchestrator.worker import cache_default_factory_signatures
+from prime_rl.orchestrator.patches import cache_default_factory_signatures
 
 
 def run_launch(status: int, reply: str) -> tuple[object, list[dict]]:

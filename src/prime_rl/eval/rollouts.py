@@ -26,7 +26,9 @@ from tqdm import tqdm
 from prime_rl.config.loader import to_toml
 from prime_rl.eval.config import RolloutsConfig
 from prime_rl.orchestrator.envs import check_prompts_fit, load_tasks
-from prime_rl.orchestrator.worker import RolloutResult, RunGroup, Worker, cache_default_factory_signatures
+from prime_rl.orchestrator.messages import RolloutResult, RunGroup
+from prime_rl.orchestrator.patches import cache_default_factory_signatures
+from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.processes import Process, stop_all

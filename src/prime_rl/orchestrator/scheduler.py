@@ -38,9 +38,10 @@ from prime_rl.orchestrator.advantage import group_has_signal
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
+from prime_rl.orchestrator.messages import GroupDone, RolloutResult, RunGroup
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.temperature import TemperatureController
-from prime_rl.orchestrator.worker import GroupDone, RolloutResult, RolloutWorkers, RunGroup
+from prime_rl.orchestrator.worker import RolloutWorkers
 
 WAIT_WARNING_INTERVAL = 60.0
 """Seconds between the warnings of a long wait (for weights)."""

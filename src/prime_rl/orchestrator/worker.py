@@ -4,307 +4,40 @@ verifiers spends ~20 ms of CPU per model turn (harness HTTP hop, interception se
 single process tops out around 45 turns/s. The orchestrator therefore runs rollouts in `workers` spawned
 processes and keeps its own event loop for scheduling, weight swaps and batches. Each worker loads every
 environment once, serves their interception servers, and runs the groups it is sent concurrently. It turns
-finished traces into compact, token-exact samples itself, so only small msgpack messages cross the process
-boundary (ZeroMQ DEALER -> the orchestrator's ROUTER).
+finished traces into compact, token-exact samples itself (`results`), so only small msgpack messages (`messages`)
+cross the process boundary (ZeroMQ DEALER -> the orchestrator's ROUTER). Each worker process first installs the
+library patches of `patches` (capture of vLLM's per-token weight versions; in adapter mode they are not used).
 
-Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
-drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
-turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`. In adapter mode they are not used:
-vLLM labels tokens with the base weights' version whichever adapter sampled them, so the scheduler counts the
-group at the policy it was started on.
+This module holds both ends of that socket: the worker process (`Worker`, which eval also runs in its own process)
+and the orchestrator's side (`RolloutWorkers`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from prime_rl.orchestrator.envs import load_env
-from prime_rl.orchestrator.samples import SampleTokens, expand_version_spans, trace_samples
+from prime_rl.orchestrator.messages import (
+    Failed,
+    FromWorker,
+    GroupDone,
+    Ready,
+    RolloutResult,
+    RunGroup,
+    Shutdown,
+    ToWorker,
+)
+from prime_rl.orchestrator.patches import cache_default_factory_signatures, install_version_capture
+from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.loop_lag import LoopLagMonitor
-
-# ---------------------------------------------------------------------------------------------------------
-# Messages between the orchestrator and its workers (msgpack, tagged unions).
-
-
-class RunGroup(msgspec.Struct, tag=True):
-    id: int
-    env: str
-    task: dict[str, Any]
-    """The task's `TaskData`, JSON-dumped; the worker rebuilds the task from it (the orchestrator owns the taskset)."""
-    n: int
-    base_url: str
-    model: str | None = None
-    """The `model` the group's requests name: the policy it was started on (in adapter mode, the adapter from step 1
-    on); None: the config's `model.api_name`."""
-    temperature: float | None = None
-    """The temperature the group samples at (the orchestrator's temperature scaling); None: `sampling.temperature`.
-    A seat that sets its own temperature keeps it."""
-
-
-class Shutdown(msgspec.Struct, tag=True):
-    pass
-
-
-class RolloutResult(msgspec.Struct):
-    """One trace of the policy (a seat's part of an episode): its reward, and its samples if it sampled tokens.
-
-    A trace without samples and without an error (a seat that never had to act) is a rollout like any other for
-    rewards and metrics; it is simply not trained on."""
-
-    reward: float
-    samples: list[SampleTokens]
-    error: str | None = None
-    """Why the rollout is excluded from rewards and training (None: fine)."""
-    retryable: bool = False
-    """The error came from the inference server (connection, 5xx): running the group again may succeed."""
-    truncated: bool = False
-    metrics: dict[str, float] = {}
-    num_turns: int = 0
-    prompt: str = ""
-    completion: str = ""
-    seconds: float = 0.0
-    messages: list[dict] | None = None
-    """The final branch's conversation as OpenAI chat messages (only when the worker keeps them: `synthesize`)."""
-    tools: list[dict] | None = None
-    """The tools offered to the model, OpenAI function schemas (with `messages`)."""
-    prompt_tokens: int = 0
-    """Tokens of the first prompt."""
-    completion_tokens: int = 0
-    """Tokens the model generated, all turns."""
-    seat: str = "agent"
-    """The env seat that produced the trace (`agent` for single-agent envs); advantages are computed per seat."""
-    episode: int = 0
-    """Which episode of its group the trace belongs to (an episode of a multi-agent env has a trace per seat)."""
-    temperature: float | None = None
-    """The temperature the seat sampled with (a seat may set its own), None where the trace does not say."""
-
-
-class GroupDone(msgspec.Struct, tag=True):
-    id: int
-    rollouts: list[RolloutResult]
-    loop_lag: float = 0.0
-    """Worst event-loop lag (s) this worker saw since its previous message."""
-
-
-class Ready(msgspec.Struct, tag=True):
-    worker: int
-
-
-class Failed(msgspec.Struct, tag=True):
-    worker: int
-    message: str
-
-
-ToWorker = RunGroup | Shutdown
-FromWorker = GroupDone | Ready | Failed
-
-# ---------------------------------------------------------------------------------------------------------
-# Capture of vLLM's per-token weight versions.
-
-_captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
-_response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
-
-
-def install_version_capture() -> None:
-    import renderers.client as rc
-    from verifiers.v1.clients.client import SESSION_ID_HEADER
-
-    if getattr(rc.generate, "_prime_rl", False):
-        return
-    parse, generate = rc.parse_generate_response, rc.generate
-
-    def parse_and_keep(raw):
-        data = parse(raw)
-        sink = _response_sink.get()
-        if sink is not None:
-            sink.append(data)
-        return data
-
-    async def generate_and_record(*args, **kwargs):
-        sink: list = []
-        token = _response_sink.set(sink)
-        try:
-            result = await generate(*args, **kwargs)
-        finally:
-            _response_sink.reset(token)
-        session = (kwargs.get("extra_headers") or {}).get(SESSION_ID_HEADER)
-        if session and sink:
-            completion = result["completion_ids"]
-            spans = (sink[-1].get("choices") or [{}])[0].get("weight_versions")
-            _captured.setdefault(session, {})[tuple(completion)] = expand_version_spans(spans, len(completion))
-        return result
-
-    generate_and_record._prime_rl = True
-    rc.parse_generate_response, rc.generate = parse_and_keep, generate_and_record
-
-
-def cache_default_factory_signatures() -> None:
-    """Memoise pydantic's check whether a field's `default_factory` takes the validated data.
-
-    pydantic 2.14 answers it with `inspect.signature(factory)` on every `model_construct`, uncached, and verifiers
-    builds a graph node that way on every model turn; for builtin factories (`list`, `time.time`) the signature is
-    parsed from text with `ast`. That was ~12% of a rollout worker's CPU at 256 rollouts in flight. The answer
-    depends only on the factory, so caching it changes nothing else.
-    """
-    from pydantic._internal import _fields
-
-    original = getattr(_fields, "takes_validated_data_argument", None)
-    if original is None:  # a pydantic outside the range pyproject pins: run without the speed-up
-        logging.getLogger(__name__).warning(
-            "pydantic %s has no _fields.takes_validated_data_argument: rollout workers run without its cache",
-            _pydantic_version(),
-        )
-        return
-    if getattr(original, "_prime_rl", False):
-        return
-    cached = functools.lru_cache(maxsize=None)(original)
-
-    def takes_validated_data_argument(default_factory) -> bool:
-        try:
-            return cached(default_factory)
-        except TypeError:  # an unhashable factory: ask pydantic every time, as before
-            return original(default_factory)
-
-    takes_validated_data_argument._prime_rl = True
-    _fields.takes_validated_data_argument = takes_validated_data_argument
-
-
-def _pydantic_version() -> str:
-    import pydantic
-
-    return pydantic.VERSION
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Traces -> results.
-
-
-def _error_of(trace) -> tuple[str | None, bool]:
-    errors = list(trace.errors or [])
-    if not errors and not trace.has_error:
-        return None, False
-    if not errors:
-        return f"stop condition {trace.stop_condition}", False
-    first = errors[0]
-    retryable = first.type == "ProviderError" and (first.status_code is None or first.status_code >= 500)
-    return f"{first.type}: {first.message}"[:500], retryable
-
-
-def _text(message) -> str:
-    content = getattr(message, "content", None)
-    return content if isinstance(content, str) else ""
-
-
-def chat_message(message) -> dict:
-    return message.model_dump(mode="json", exclude_none=True) if hasattr(message, "model_dump") else dict(message)
-
-
-def tool_schema(tool) -> dict:
-    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
-    return {"type": "function", "function": function}
-
-
-def _token_counts(trace, samples: list[SampleTokens]) -> tuple[int, int]:
-    """(first prompt, generated) token counts: exact from the samples, else as the server's usage reports them."""
-    if samples:
-        first = samples[0].loss_mask
-        return (first.index(True) if any(first) else 0), sum(sum(s.loss_mask) for s in samples)
-    first_call = next((c for c in trace.calls if c.usage is not None), None)
-    total = trace.usage
-    return (first_call.usage.prompt_tokens if first_call else 0), (total.completion_tokens if total else 0)
-
-
-def untrainable_sampling(sampling) -> str | None:
-    """Why tokens sampled with `sampling` cannot be trained on, or None.
-
-    The trainer scores tokens with the full softmax at the sampling temperature; a seat that sets its own top_p,
-    top_k or min_p, or samples greedily, produced tokens from another distribution than the one it is scored on."""
-    if sampling is None:
-        return None
-    extra = sampling.model_extra or {}
-    top_k, min_p = extra.get("top_k", -1), extra.get("min_p", 0.0)
-    if (sampling.top_p or 1.0) < 1.0 or top_k not in (-1, 0, None) or (min_p or 0.0) > 0.0:
-        return f"the seat samples with top_p={sampling.top_p}, top_k={top_k}, min_p={min_p}: not the full softmax"
-    if not sampling.temperature:
-        return f"the seat samples with temperature={sampling.temperature}: greedy tokens cannot be trained on"
-    return None
-
-
-def rollout_result(
-    trace,
-    seconds: float,
-    keep_messages: bool = False,
-    chat_api: bool = False,
-    training: bool = False,
-    token_versions: bool = True,
-) -> RolloutResult:
-    """One trace of the policy -> what the orchestrator needs: reward, samples, error state, a little text.
-
-    A trace that sampled no tokens (a seat that never had to act, or any trace on a chat-completions endpoint,
-    which returns no token ids) has no samples; that is no error. `training`: refuse traces whose seat sampled
-    from another distribution than the trainer scores. `token_versions`: take vLLM's per-token versions (False:
-    every sampled token's version is unknown, and the group counts at its start version)."""
-    error, retryable = _error_of(trace)
-    versions = _captured.pop(trace.id, {})
-    if not token_versions:
-        versions = {}
-    sampling = getattr(trace.agent.config, "sampling", None)
-    if error is None and training:
-        error = untrainable_sampling(sampling)
-    samples = [] if error or chat_api else trace_samples(trace.branches, versions)
-    prompt_tokens, completion_tokens = _token_counts(trace, samples)
-    metrics = {k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
-    for name, reward in (trace.rewards or {}).items():
-        if reward is not None:
-            metrics[f"reward/{name}"] = float(reward.score)
-    messages = trace.messages or []
-    prompt = next((_text(m) for m in messages if getattr(m, "role", None) == "user"), "")
-    return RolloutResult(
-        reward=float(trace.reward or 0.0) if not error else 0.0,
-        samples=samples,
-        error=error,
-        retryable=retryable,
-        truncated=bool(trace.is_truncated),
-        metrics=metrics,
-        num_turns=int(trace.num_turns or 0),
-        prompt=prompt[:2000],
-        completion=(trace.last_reply or "")[:2000],
-        seconds=seconds,
-        messages=[chat_message(m) for m in messages] if keep_messages else None,
-        tools=[tool_schema(t) for t in trace.tools] or None if keep_messages else None,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        seat=trace.agent.name,
-        temperature=getattr(sampling, "temperature", None),
-    )
-
-
-def episode_results(episode, seconds: float, **options) -> list[RolloutResult]:
-    """The policy's traces of one episode (seats the env made untrainable, e.g. a simulated user, are not the
-    policy); `options` go to `rollout_result`."""
-    traces = [t for t in episode.traces if getattr(t.agent, "trainable", True)]
-    if not traces:
-        errors = "; ".join(f"{e.type}: {e.message}" for e in episode.errors) or "episode produced no trace"
-        return [RolloutResult(reward=0.0, samples=[], error=errors[:500], seconds=seconds)]
-    results = [rollout_result(t, seconds, **options) for t in traces]
-    if not episode.ok and episode.errors:
-        # An env hook failed after the agents ran (setup/run/finalize): the rewards are not trustworthy.
-        message = "; ".join(f"{e.type}: {e.message}" for e in episode.errors)[:500]
-        for r in results:
-            r.error, r.samples = r.error or message, []
-    return results
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The worker process.

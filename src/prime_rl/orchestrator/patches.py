@@ -1,0 +1,99 @@
+"""What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions,
+and a cache for a pydantic check verifiers repeats on every model turn.
+
+Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
+drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
+turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`; `results.rollout_result` takes a trace's
+versions with `take_versions`. In adapter mode they are not used: vLLM labels tokens with the base weights' version
+whichever adapter sampled them, so the scheduler counts the group at the policy it was started on.
+
+Their own module because they patch other packages' functions process-wide: each is installed once per process
+(`worker_main`, and eval's in-process rollouts), is idempotent, and changes nothing else those packages do.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+
+from prime_rl.orchestrator.samples import expand_version_spans
+
+_captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
+_response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
+
+
+def install_version_capture() -> None:
+    import renderers.client as rc
+    from verifiers.v1.clients.client import SESSION_ID_HEADER
+
+    if getattr(rc.generate, "_prime_rl", False):
+        return
+    parse, generate = rc.parse_generate_response, rc.generate
+
+    def parse_and_keep(raw):
+        data = parse(raw)
+        sink = _response_sink.get()
+        if sink is not None:
+            sink.append(data)
+        return data
+
+    async def generate_and_record(*args, **kwargs):
+        sink: list = []
+        token = _response_sink.set(sink)
+        try:
+            result = await generate(*args, **kwargs)
+        finally:
+            _response_sink.reset(token)
+        session = (kwargs.get("extra_headers") or {}).get(SESSION_ID_HEADER)
+        if session and sink:
+            completion = result["completion_ids"]
+            spans = (sink[-1].get("choices") or [{}])[0].get("weight_versions")
+            _captured.setdefault(session, {})[tuple(completion)] = expand_version_spans(spans, len(completion))
+        return result
+
+    generate_and_record._prime_rl = True
+    rc.parse_generate_response, rc.generate = parse_and_keep, generate_and_record
+
+
+def take_versions(trace_id: str) -> dict[tuple[int, ...], list[int]]:
+    """The versions captured for a trace's model turns (completion token ids -> each token's version), forgotten
+    once taken ({} where none were captured)."""
+    return _captured.pop(trace_id, {})
+
+
+def cache_default_factory_signatures() -> None:
+    """Memoise pydantic's check whether a field's `default_factory` takes the validated data.
+
+    pydantic 2.14 answers it with `inspect.signature(factory)` on every `model_construct`, uncached, and verifiers
+    builds a graph node that way on every model turn; for builtin factories (`list`, `time.time`) the signature is
+    parsed from text with `ast`. That was ~12% of a rollout worker's CPU at 256 rollouts in flight. The answer
+    depends only on the factory, so caching it changes nothing else.
+    """
+    from pydantic._internal import _fields
+
+    original = getattr(_fields, "takes_validated_data_argument", None)
+    if original is None:  # a pydantic outside the range pyproject pins: run without the speed-up
+        logging.getLogger(__name__).warning(
+            "pydantic %s has no _fields.takes_validated_data_argument: rollout workers run without its cache",
+            _pydantic_version(),
+        )
+        return
+    if getattr(original, "_prime_rl", False):
+        return
+    cached = functools.lru_cache(maxsize=None)(original)
+
+    def takes_validated_data_argument(default_factory) -> bool:
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable factory: ask pydantic every time, as before
+            return original(default_factory)
+
+    takes_validated_data_argument._prime_rl = True
+    _fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+def _pydantic_version() -> str:
+    import pydantic
+
+    return pydantic.VERSION
