@@ -10,7 +10,7 @@ import torch
 from fake_engine import BASE_NAME, LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
 
 from prime_rl.inference import weights
-from prime_rl.inference.adapters import check_adapter_dir
+from prime_rl.inference.adapter_checks import check_adapter_dir
 from prime_rl.inference.http_io import MAX_BODY_BYTES
 from prime_rl.inference.weights import TensorSpec, WeightDirError
 

@@ -29,7 +29,7 @@ from loguru import logger
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.eval.config import EvalConfig, RolloutsConfig
 from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs, serve_and_run
-from prime_rl.inference.adapters import ADAPTER_CONFIG
+from prime_rl.inference.adapter_checks import ADAPTER_CONFIG
 from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging

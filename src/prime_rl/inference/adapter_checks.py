@@ -206,7 +206,12 @@ def pattern_problem(config: dict, layers: list[str]) -> str | None:
     patterns = {field: list(config.get(field) or {}) for field in PATTERN_FIELDS}
     if not any(patterns.values()):
         return None
-    command = [sys.executable, "-P", "-c", "from prime_rl.inference.adapters import pattern_check; pattern_check()"]
+    command = [
+        sys.executable,
+        "-P",
+        "-c",
+        "from prime_rl.inference.adapter_checks import pattern_check; pattern_check()",
+    ]
     request = json.dumps({"patterns": patterns, "layers": layers})
     fields = " and ".join(field for field in PATTERN_FIELDS if patterns[field])
     try:
