@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from prime_rl.inference.access import AccessGuard, server_tokens
-from prime_rl.inference.adapter_checks import Adapters
+from prime_rl.inference.adapters import Adapters
 from prime_rl.inference.admin import router
 from prime_rl.inference.swapper import WeightsUnknownGate, WeightSwapper
 

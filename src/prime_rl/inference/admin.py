@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from prime_rl.inference.adapter_checks import ADAPTER_NAME_PATTERN, AdapterError, Adapters
+from prime_rl.inference.adapters import ADAPTER_NAME_PATTERN, AdapterError, Adapters
 from prime_rl.inference.http_io import error_response, parse_request
 from prime_rl.inference.swapper import (
     BASE_VERSION,

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from prime_rl.inference.access import AccessGuard, open_access_problem, server_tokens
-from prime_rl.inference.adapter_checks import Adapters
+from prime_rl.inference.adapters import Adapters
 from prime_rl.inference.admin import router
 from prime_rl.inference.logprob_tokens import GenerateLogprobTokens
 from prime_rl.inference.swapper import BASE_VERSION, WeightsUnknownGate, WeightSwapper
