@@ -46,7 +46,7 @@ def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str, check: bool =
 
 def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offload(qwen3_shaped, tmp_path):
     """Checklist 1: FSDP2 on CUDA/NCCL, bf16 compute and fp32 masters, the Qwen3-0.6B-shaped model: the loss of one
-    fixed batch falls over a few steps; `optim.cpu_offload` gives the same losses (the same arithmetic on the GPU).
+    fixed batch falls over a few steps, with `optim.cpu_offload` as without (up to the optimizer's rounding).
     GRPO's clipped loss, because its value is what its gradient descends (AIPO's multiplies a detached importance
     weight, so its value may rise while the objective improves)."""
     script = """
@@ -76,7 +76,10 @@ def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offl
         results.append([float(x) for x in out.split("LOSSES", 1)[1].strip().strip("[]").split(",")])
     plain, offloaded = results
     assert all(torch.isfinite(torch.tensor(plain))) and plain[-1] < plain[0], plain
-    assert offloaded == pytest.approx(plain, rel=1e-6), (plain, offloaded)
+    assert offloaded[0] == plain[0]  # the same weights before any optimizer step: the same forward, bit for bit
+    # AdamW on the CPU (offload) and on CUDA round the same fp32 update differently in the last bits, and the bf16
+    # forward magnifies that: on an H200 (2026-11-26) the losses of steps 2-5 differed by at most 1.4e-3 relative.
+    assert offloaded == pytest.approx(plain, rel=1e-2) and offloaded[-1] < offloaded[0], (plain, offloaded)
 
 
 def test_packed_rows_on_cuda_give_each_sample_its_own_logprobs(tmp_path):

@@ -1,6 +1,7 @@
 """The authenticated weight-broadcast store, attacked: a process without the run secret, a squatter on the port, a
 silent peer, tampered frames, a connection flood, oversize writes. And the store semantics gloo/NCCL rely on."""
 
+import gc
 import json
 import socket
 import subprocess
@@ -10,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from conftest import TEST_SECRET
 
-from prime_rl.weight_broadcast.client import StoreClient
+from prime_rl.weight_broadcast.client import GroupStore, StoreClient
+from prime_rl.weight_broadcast.protocol import keep_store_alive
 from prime_rl.weight_broadcast.store import HANDSHAKE_SECONDS, MAX_HANDSHAKES, MAX_KEYS, StoreServer, Table
 from prime_rl.weight_broadcast.wire import (
     MAX_VALUE_BYTES,
@@ -181,3 +184,25 @@ def test_a_connection_flood_is_bounded_and_the_store_recovers(store):
     for s in socks:
         s.close()
     assert client(store).check(["anything"]) is False  # served again
+
+
+def test_a_transfer_group_keeps_its_python_store_alive_for_c10d():
+    """NCCL reaches a group's store from C++ at the first collective, after `join_group` returned. A Python store whose
+    Python object is gone fails such a call (the first CUDA run's 'fn INTERNAL ASSERT FAILED ... Not implemented');
+    `keep_store_alive` holds it for exactly as long as the group lives. A PrefixStore stands in for the C++ caller."""
+
+    class Group:  # any object that can be weakly referenced, as c10d's process groups can
+        pass
+
+    store = GroupStore(Table(), "group/x/", 5)
+    from_cpp = dist.PrefixStore("p/", store)
+    group = Group()
+    keep_store_alive(group, store)
+    del store
+    gc.collect()
+    from_cpp.set("k", b"v")  # the store is still there while the group lives
+    assert from_cpp.get("k") == b"v"
+    del group
+    gc.collect()
+    with pytest.raises(RuntimeError, match="Not implemented"):  # the hazard itself, once nothing holds the store
+        from_cpp.set("k2", b"v")

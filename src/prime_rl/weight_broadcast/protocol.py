@@ -26,6 +26,7 @@ import math
 import os
 import re
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,6 +126,17 @@ def read_session(kv: Table | StoreClient, timeout: float) -> dict:
     return session
 
 
+_GROUP_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each transfer group's Python store, for as long as the group lives (`keep_store_alive`)."""
+
+
+def keep_store_alive(group, store: GroupStore) -> None:
+    """Hold `store` while `group` lives. NCCL connects lazily, at the group's first collective, and reaches the store
+    from C++ then; a Python store whose Python object is gone fails every such call (pybind finds no method: 'fn
+    INTERNAL ASSERT FAILED ... Not implemented'), which is how the first CUDA run of the broadcast failed."""
+    _GROUP_STORES[group] = store
+
+
 def join_group(kv: Table | StoreClient, group: str, rank: int, world_size: int, backend: str, timeout: float):
     """This process's member of one transfer group; blocks until every member joined (bounded by `timeout`).
 
@@ -135,7 +147,9 @@ def join_group(kv: Table | StoreClient, group: str, rank: int, world_size: int, 
     if backend == "gloo":
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
+        group = ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
+        keep_store_alive(group, store)
+        return group
     from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()
@@ -143,7 +157,9 @@ def join_group(kv: Table | StoreClient, group: str, rank: int, world_size: int, 
     previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read when the group is built: this group only
     try:
-        return ProcessGroupNCCL(store, rank, world_size, options)
+        group = ProcessGroupNCCL(store, rank, world_size, options)
+        keep_store_alive(group, store)
+        return group
     finally:
         if previous is None:
             del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
