@@ -7,8 +7,9 @@ turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`; `re
 versions with `take_versions`. In adapter mode they are not used: vLLM labels tokens with the base weights' version
 whichever adapter sampled them, so the scheduler counts the group at the policy it was started on.
 
-Their own module because they patch other packages' functions process-wide: each is installed once per process
-(`worker_main`, and eval's in-process rollouts), is idempotent, and changes nothing else those packages do.
+Their own module because they patch other packages' functions process-wide, apart from the code that runs rollouts:
+`worker_main` installs both in each worker process, eval's in-process `Worker` the pydantic cache only (it trains
+nothing, so it needs no versions). Each is idempotent and changes nothing else those packages do.
 """
 
 from __future__ import annotations

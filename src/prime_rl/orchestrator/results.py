@@ -1,8 +1,9 @@
 """Traces -> results: what the orchestrator needs of a finished verifiers trace (reward, token-exact samples, error
 state, a little text), as the `RolloutResult` that crosses the process boundary.
 
-Its own module because eval and synthesize turn traces into results too, in their own process, and because this is
-where a trace is judged: which errors make it retryable, which seats' tokens cannot be trained on.
+Its own module because this is where a trace is judged, apart from how groups are run and carried: which errors
+make it retryable, which seats' tokens cannot be trained on, what text and token counts the metrics keep. The same
+judgment serves the orchestrator's worker processes and eval's and synthesize's in-process `Worker`.
 """
 
 from __future__ import annotations
