@@ -5,6 +5,7 @@ only torch, transformers, safetensors, pydantic(-settings), loguru, msgspec and 
 (`PYTHONPATH=src`), which is what a GPU machine without our other dependencies can run.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -44,37 +45,21 @@ def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str, check: bool =
     return proc
 
 
+def fixed_batch_losses(model: Path, offload: str, seq_len: int) -> list[float]:
+    """`fixed_batch.py` on one rank (also run on CPU by `tests/unit/test_gpu_scripts.py`)."""
+    script = Path(__file__).with_name("fixed_batch.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(script)]
+    proc = subprocess.run([*cmd, str(model), offload, str(seq_len)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("LOSSES", 1)[1].splitlines()[0])
+
+
 def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offload(qwen3_shaped, tmp_path):
     """Checklist 1: FSDP2 on CUDA/NCCL, bf16 compute and fp32 masters, the Qwen3-0.6B-shaped model: the loss of one
     fixed batch falls over a few steps, with `optim.cpu_offload` as without (up to the optimizer's rounding).
     GRPO's clipped loss, because its value is what its gradient descends (AIPO's multiplies a detached importance
     weight, so its value may rise while the objective improves)."""
-    script = """
-    import json, sys, torch
-    from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.parallel.distributed import init_distributed
-    from prime_rl.trainer.scaffold import build_run
-    from prime_rl.trainer.packing import pack_samples
-    from prime_rl.trainer.rl.step import train_step
-    from prime_rl.trainer.rl.train import fake_samples
-
-    config = TrainerConfig(model={"name": sys.argv[1]}, seq_len=4096, loss={"objective": "grpo"}, bench={"samples": 2},
-                           optim={"type": "adamw", "lr": 1e-4, "cpu_offload": sys.argv[2] == "1"})
-    world = init_distributed()
-    run = build_run(config, world, "trainer", 5, "testing")
-    rows = pack_samples(fake_samples(config, run.model.config.vocab_size, 1), config.seq_len)
-    losses = []
-    for _ in range(5):
-        totals = train_step(run.model, rows, {0: float(sum(r.num_loss_tokens for r in rows))}, config, world)[0]
-        run.optimizer_step(1.0)
-        losses.append(totals["loss"])
-    print("LOSSES", json.dumps(losses))
-    """
-    results = []
-    for offload in ("0", "1"):
-        out = run_ranks(script, 1, tmp_path, str(qwen3_shaped), offload).stdout
-        results.append([float(x) for x in out.split("LOSSES", 1)[1].strip().strip("[]").split(",")])
-    plain, offloaded = results
+    plain, offloaded = (fixed_batch_losses(qwen3_shaped, offload, 4096) for offload in ("0", "1"))
     assert all(torch.isfinite(torch.tensor(plain))) and plain[-1] < plain[0], plain
     assert offloaded[0] == plain[0]  # the same weights before any optimizer step: the same forward, bit for bit
     # AdamW on the CPU (offload) and on CUDA round the same fp32 update differently in the last bits, and the bf16

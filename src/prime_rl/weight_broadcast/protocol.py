@@ -1,6 +1,6 @@
 """The in-memory weight transfer's protocol: the store keys, the requests, and the wire format of one transfer.
 
-Shared by the trainer (`trainer/broadcast.py`), the orchestrator (`orchestrator/broadcast.py`) and the inference
+Shared by the trainer (`trainer/rl/broadcast.py`), the orchestrator (`orchestrator/broadcast.py`) and the inference
 workers (`inference/worker.py`); torch only. Who writes, reads and deletes each key, and when it stops being valid,
 is the table in docs/architecture.md ("The transfer protocol"). In short:
 
