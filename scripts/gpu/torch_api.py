@@ -122,10 +122,11 @@ def dump(out: Path) -> None:
             module_dirs[name] = sorted(dir(importlib.import_module(name)))
         except ImportError:
             pass  # a class or function path (`torch.Tensor.foo`): its parent is not a module
+    found = {r: resolve(r) for r in refs}
     record = {
         "torch": torch.__version__,
-        "present": sorted(r for r in refs if resolve(r)),
-        "missing": sorted(r for r in refs if not resolve(r)),
+        "present": sorted(r for r, ok in found.items() if ok),
+        "missing": sorted(r for r, ok in found.items() if not ok),
         "module_dirs": module_dirs,
         "tensor": sorted(dir(torch.Tensor)),
         "module": sorted(dir(torch.nn.Module)),

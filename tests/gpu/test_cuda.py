@@ -5,13 +5,13 @@ only torch, transformers, safetensors, pydantic(-settings), loguru, msgspec and 
 (`PYTHONPATH=src`), which is what a GPU machine without our other dependencies can run.
 """
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import fixed_batch
 import pytest
 import torch
 
@@ -36,22 +36,11 @@ def qwen3_shaped(tmp_path_factory) -> Path:
     return build_tiny_model(TinyModelConfig(output=tmp_path_factory.mktemp("m") / "qwen3-0.6b-shaped", **QWEN3_06B))
 
 
-def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_ranks(script: str, nproc: int, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(script))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def fixed_batch_losses(model: Path, offload: str, seq_len: int) -> list[float]:
-    """`fixed_batch.py` on one rank (also run on CPU by `tests/unit/test_gpu_scripts.py`)."""
-    script = Path(__file__).with_name("fixed_batch.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(script)]
-    proc = subprocess.run([*cmd, str(model), offload, str(seq_len)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.split("LOSSES", 1)[1].splitlines()[0])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
 
 
 def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offload(qwen3_shaped, tmp_path):
@@ -59,7 +48,7 @@ def test_fsdp2_bf16_on_nccl_learns_a_fixed_batch_with_and_without_optimizer_offl
     fixed batch falls over a few steps, with `optim.cpu_offload` as without (up to the optimizer's rounding).
     GRPO's clipped loss, because its value is what its gradient descends (AIPO's multiplies a detached importance
     weight, so its value may rise while the objective improves)."""
-    plain, offloaded = (fixed_batch_losses(qwen3_shaped, offload, 4096) for offload in ("0", "1"))
+    plain, offloaded = (fixed_batch.losses(qwen3_shaped, offload, 4096) for offload in (False, True))
     assert all(torch.isfinite(torch.tensor(plain))) and plain[-1] < plain[0], plain
     assert offloaded[0] == plain[0]  # the same weights before any optimizer step: the same forward, bit for bit
     # AdamW on the CPU (offload) and on CUDA round the same fp32 update differently in the last bits, and the bf16
@@ -184,7 +173,7 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        sent = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt"), check=False)
+        sent = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt"))
         received = recv.communicate(timeout=90)[0]
     finally:
         recv.kill()

@@ -15,7 +15,8 @@ from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "scripts/gpu/torch-2.11-api.json"
-sys.path.insert(0, str(ROOT / "scripts/gpu"))
+sys.path[:0] = [str(ROOT / "scripts/gpu"), str(ROOT / "tests/gpu")]
+import fixed_batch  # noqa: E402
 import torch_api  # noqa: E402
 
 
@@ -88,11 +89,5 @@ def test_the_gpu_fixed_batch_script_learns_on_cpu(tmp_path):
     """`tests/gpu/fixed_batch.py`, which the GPU test runs on NCCL, on gloo with a tiny model: GRPO's loss on one
     fixed batch falls step by step (lr 1e-4 moves the policy by far less than the clip range, so every step descends)."""
     model = build_tiny_model(TinyModelConfig(output=tmp_path / "model", hidden_size=64, num_heads=2, head_dim=32))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests/gpu/fixed_batch.py"), str(model), "0", "256"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    losses = json.loads(proc.stdout.split("LOSSES", 1)[1].splitlines()[0])
+    losses = fixed_batch.losses(model, False, 256)
     assert len(losses) == 5 and all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses

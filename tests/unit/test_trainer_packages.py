@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
@@ -17,10 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "scripts/gpu/requirements.txt"
 GPU_MACHINE_HAS = ("torch", "transformers", "safetensors", "tokenizers")
 """What ../shared/gpu-checklist.md says a GPU machine brings (with their own dependencies)."""
-
-
-def normalise(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def carried() -> list[str]:
@@ -31,7 +28,7 @@ def dependency_closure(roots) -> set[str]:
     """Distributions `roots` need when installed without extras, as this environment resolves them."""
     seen, todo = set(), list(roots)
     while todo:
-        name = normalise(todo.pop())
+        name = canonicalize_name(todo.pop())
         if name in seen:
             continue
         seen.add(name)
@@ -47,7 +44,7 @@ def importable_names(distributions: set[str]) -> set[str]:
     return {
         module
         for module, owners in md.packages_distributions().items()
-        if any(normalise(d) in distributions for d in owners)
+        if any(canonicalize_name(d) in distributions for d in owners)
     }
 
 
