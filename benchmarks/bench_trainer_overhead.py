@@ -6,11 +6,13 @@
 The bare loop is the reference for what one process can do here: the same model (loaded by `from_pretrained`),
 dtype, rows (packed by our `pack_samples`, restarting position ids), the same per-token policy-gradient arithmetic
 (log-softmax of the logits, the target's log-prob, advantage-weighted mean over the loss tokens) and plain
-`torch.optim.AdamW`, with no FSDP, no chunked head, no metrics. It runs once with one forward per packed row (as our
-trainer does at `micro_batch_size = 1`) and once with every row in one forward (a token budget per pass).
+`torch.optim.AdamW`, with no FSDP, no chunked head, no metrics. It runs once with one forward per row packed to
+`--seq-len` (our trainer before its rows and micro-batches were sized by the attention kernel and a token budget),
+and once with every sample in a row of its own and all rows in one forward (the best layout for sdpa here).
 
 Ours is `build_run` (FSDP2 on a one-process gloo group, the chunked log-prob head) + `train_step` +
-`optimizer_step`, timed as forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then
+`optimizer_step` on the rows the trainer makes (`row_capacity`: as long as the longest sample for sdpa) in
+micro-batches of `--micro-batch-tokens`, timed as forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then
 `--steps` timed ones on the same batch; the table gives the median step time and tokens/s over the loss-carrying
 and prompt tokens alike (all of them go through forward and backward).
 """
@@ -26,7 +28,7 @@ import torch
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.packing import collate, pack_samples
+from prime_rl.trainer.packing import collate, pack_samples, packs_across_samples, row_capacity
 from prime_rl.trainer.parallel.distributed import init_distributed
 from prime_rl.trainer.rl.step import train_step
 from prime_rl.trainer.rl.train import fake_samples
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="samples per step (the demo: 64 rollouts)")
     parser.add_argument("--seq-len", type=int, default=512, help="row length the samples are packed into")
     parser.add_argument("--sample-tokens", type=int, default=123, help="tokens per sample (the demo: ~123)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="ours: positions per forward")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--warmup", type=int, default=2)
@@ -96,11 +99,13 @@ def main() -> None:
     rows = pack_samples(samples, args.seq_len)
     tokens = sum(r.num_tokens for r in rows)
     loss_tokens = sum(r.num_loss_tokens for r in rows)
-    config = config.model_copy(update={"seq_len": args.seq_len})
+    config = config.model_copy(update={"seq_len": args.seq_len, "micro_batch_tokens": args.micro_batch_tokens})
+    lengths = [len(s.token_ids) for s in samples]
+    our_rows = pack_samples(samples, row_capacity(lengths, args.seq_len, packs_across_samples("sdpa", 1)))
 
     def ours() -> tuple[float, float]:
         t0 = time.perf_counter()
-        train_step(run.model, rows, {0: float(loss_tokens)}, config, world)
+        train_step(run.model, our_rows, {0: float(loss_tokens)}, config, world)
         t1 = time.perf_counter()
         run.optimizer_step(1.0)
         return t1 - t0, time.perf_counter() - t1
@@ -111,14 +116,14 @@ def main() -> None:
     bare = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").train()
     optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-6, weight_decay=0.01)
     per_row = [collate([r], concatenate=False) for r in rows]
-    one_pass = [collate(rows, concatenate=False)]
+    one_pass = [collate(pack_samples(samples, max(lengths)), concatenate=False)]
 
     results = {
         "ours (FSDP2, 1 rank)": timed(ours, args.warmup, args.steps),
         "bare, a forward per row": timed(
             lambda: bare_step(bare, optimizer, per_row, loss_tokens), args.warmup, args.steps
         ),
-        "bare, all rows in one forward": timed(
+        "bare, a row per sample, one fwd": timed(
             lambda: bare_step(bare, optimizer, one_pass, loss_tokens), args.warmup, args.steps
         ),
     }
@@ -126,6 +131,7 @@ def main() -> None:
     print(
         f"{params / 1e6:.2f}M params, {args.dtype}, {torch.get_num_threads()} threads; {len(samples)} samples x "
         f"{args.sample_tokens} tokens in {len(rows)} rows of <= {args.seq_len} ({tokens} tokens, {loss_tokens} scored); "
+        f"ours: {len(our_rows)} rows, <= {args.micro_batch_tokens} positions per forward; "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
     reference = sum(results["bare, a forward per row"])

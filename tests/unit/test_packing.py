@@ -10,7 +10,9 @@ from prime_rl.trainer.packing import (
     first_fit_decreasing,
     micro_batches,
     pack_samples,
+    packs_across_samples,
     padding_row,
+    row_capacity,
     shard_rows,
 )
 
@@ -174,20 +176,37 @@ def test_collate_concatenates_for_flash_attention():
     assert batch.loss_mask.tolist() == [[False, True, False, False, True]]
 
 
-def test_every_rank_runs_the_same_number_of_micro_batches():
+def test_micro_batches_fill_a_token_budget_longest_rows_first():
+    rows = rows_of([3, 9, 5, 8, 2])
+    lengths = lambda groups: [[row.num_tokens for row in group] for group in groups]  # noqa: E731
+    # stacked [B, L]: a group costs B x its longest row (the first: longest first); 9+9 > 16 starts a new group
+    assert lengths(micro_batches(rows, 16, concatenate=False)) == [[9], [8, 5], [3, 2]]
+    assert lengths(micro_batches(rows, 18, concatenate=False)) == [[9, 8], [5, 3, 2]]  # 2 x 9 = 18 fits
+    # concatenated [1, ΣL]: a group costs the sum of its rows
+    assert lengths(micro_batches(rows, 17, concatenate=True)) == [[9, 8], [5, 3, 2]]
+    assert lengths(micro_batches(rows, 1, concatenate=False)) == [[9], [8], [5], [3], [2]]  # too long: alone
+    assert lengths(micro_batches(rows, 10**6, concatenate=False)) == [[9, 8, 5, 3, 2]]
+    # every row exactly once
+    assert sorted(r.sample_indices[0] for g in micro_batches(rows, 16, False) for r in g) == [0, 1, 2, 3, 4]
+
+
+def test_micro_batches_drop_padding_rows_unless_a_rank_has_nothing_else():
     shards = shard_rows(rows_of([9, 3, 7, 2, 8, 8, 1, 4, 6, 5, 2]), world_size=4)  # 3 rows each, one padding
-    for shard in shards:
-        groups = micro_batches(shard, 2)
-        assert len(groups) == 2  # ceil(3 / 2) on every rank: FSDP's collectives line up
-        assert [row for group in groups for row in group if not row.is_padding] == [
-            r for r in shard if not r.is_padding
-        ]
-        # a padding row is dropped where real rows keep the forward going (it would be padded for nothing)
-        assert all(len(group) == 1 for group in groups if any(row.is_padding for row in group))
-    assert [len(g) for g in micro_batches(shards[3], 2)] == [2, 1]  # its third row is the padding row
-    assert micro_batches(shards[3][1:], 2) == [[shards[3][1]]]  # a real row and a padding row: one forward
+    assert any(row.is_padding for row in shards[3])
+    real = [row for row in shards[3] if not row.is_padding]
+    # a padding row is dropped where real rows keep the forward going (it would be padded for nothing)
+    assert [row for group in micro_batches(shards[3], 100, False) for row in group] == real
     only_padding = [padding_row(), padding_row()]
-    assert micro_batches(only_padding, 2) == [[only_padding[0]]]  # still one forward
-    assert [len(g) for g in micro_batches(rows_of([1, 2, 3, 4, 5]), 2)] == [2, 2, 1]
-    with pytest.raises(ValueError):
-        micro_batches(only_padding, 0)
+    assert micro_batches(only_padding, 2, False) == [[only_padding[0]]]  # still one forward
+    assert micro_batches([], 2, False) == []
+    with pytest.raises(ValueError, match="budget"):
+        micro_batches(only_padding, 0, False)
+
+
+def test_row_capacity_is_seq_len_for_varlen_kernels_and_the_longest_sample_otherwise():
+    assert row_capacity([5, 12, 7], seq_len=64, varlen=True) == 64
+    assert row_capacity([5, 12, 7], seq_len=64, varlen=False) == 12
+    assert row_capacity([5, 80], seq_len=64, varlen=False) == 64  # too long: packing reports the sample
+    assert row_capacity([], seq_len=64, varlen=False) == 64
+    assert packs_across_samples("flash_attention_2", cp=1) and packs_across_samples("sdpa", cp=2)
+    assert not packs_across_samples("sdpa", cp=1) and not packs_across_samples("eager", cp=1)

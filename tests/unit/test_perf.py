@@ -109,6 +109,9 @@ def test_format_bench_table():
         {
             "step": 1,
             "seconds": 4.0,
+            "time_forward": 1.0,
+            "time_backward": 2.0,
+            "time_optimizer": 0.5,
             "tokens_per_s": 50.0,
             "padding_fraction": 0.25,
             "mfu": None,
@@ -117,21 +120,36 @@ def test_format_bench_table():
         {
             "step": 2,
             "seconds": 2.0,
+            "time_forward": 0.5,
+            "time_backward": 1.0,
+            "time_optimizer": 0.25,
             "tokens_per_s": 100.0,
             "padding_fraction": 0.1,
             "mfu": 30.0,
             "peak_memory_gib": 1.5,
         },
-        {"step": 3, "seconds": 4.0, "tokens_per_s": 50.0, "padding_fraction": 0.0, "mfu": 10.0, "peak_memory_gib": 2.0},
+        {
+            "step": 3,
+            "seconds": 4.0,
+            "time_forward": 1.5,
+            "time_backward": 2.0,
+            "time_optimizer": 0.25,
+            "tokens_per_s": 50.0,
+            "padding_fraction": 0.0,
+            "mfu": 10.0,
+            "peak_memory_gib": 2.0,
+        },
     ]
     table = format_bench_table(rows, TRAINER_BENCH_COLUMNS)
     lines = table.splitlines()
     assert len(lines) == 5 and "tokens/s" in lines[0] and "MFU %" in lines[0]
-    assert lines[1].split() == ["1", "4.000", "50.0", "25.0", "-", "1.50"]
-    assert lines[2].split() == ["2", "2.000", "100.0", "10.0", "30.00", "1.50"]
-    # Summary over steps 2 and 3, written like the cells: seconds 2, 4 -> 3 ± sqrt(2); tokens/s 100, 50 -> 75 ±
+    assert lines[1].split() == ["1", "4.000", "1.000", "2.000", "0.500", "50.0", "25.0", "-", "1.50"]
+    assert lines[2].split() == ["2", "2.000", "0.500", "1.000", "0.250", "100.0", "10.0", "30.00", "1.50"]
+    # Summary over steps 2 and 3, written like the cells: seconds 2, 4 -> 3 ± sqrt(2); forward 0.5, 1.5 -> 1 ±
+    # sqrt(2) / 2; backward 1, 2 -> 1.5 ± sqrt(2) / 2; optimizer 0.25 twice -> 0.25 ± 0; tokens/s 100, 50 -> 75 ±
     # sqrt(2) * 25; MFU 30, 10 -> 20 ± sqrt(2) * 10.
     assert lines[4] == (
-        "summary over 2 steps after the first: seconds 3.000 ± 1.414, tokens/s 75.0 ± 35.4, MFU % 20.00 ± 14.14"
+        "summary over 2 steps after the first: seconds 3.000 ± 1.414, forward s 1.000 ± 0.707, "
+        "backward s 1.500 ± 0.707, optim s 0.250 ± 0.000, tokens/s 75.0 ± 35.4, MFU % 20.00 ± 14.14"
     )
     assert "no steps after" in format_bench_table(rows[:1], TRAINER_BENCH_COLUMNS)

@@ -143,8 +143,8 @@ def step(model, config, rows, reference=None, adapters=None):
 def test_train_step_with_the_policy_as_reference_is_unchanged_and_with_another_is_penalised(model_dir):
     model = load(model_dir)
     rows = pack_samples(samples(), seq_len=40)
-    plain_config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_size=2)
-    config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_size=2, reference={"beta": 0.5})
+    plain_config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=80)
+    config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=80, reference={"beta": 0.5})
     plain, plain_grads = step(model, plain_config, rows)
     same, same_grads = step(model, config, rows, Reference(copy.deepcopy(model).eval().requires_grad_(False)))
     assert same.pop("ref_kl_sum") == 0.0  # pi == pi_ref: the same forward on the same weights, bit for bit

@@ -3,6 +3,7 @@ rows per forward (micro-batches) give the loss, statistics and gradient of one r
 too (whose parameters alone get gradients)."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import LoRAConfig, TrainerConfig
 from prime_rl.trainer.model.logprobs import install_logprob_head
 from prime_rl.trainer.model.lora import LoRAAdapters
-from prime_rl.trainer.packing import pack_samples, padding_row
+from prime_rl.trainer.packing import pack_samples, padding_row, row_capacity
 from prime_rl.trainer.parallel.distributed import World
+from prime_rl.trainer.perf import PhaseTimer
 from prime_rl.trainer.rl import step as train
 from prime_rl.trainer.sft import train as sft
 from prime_rl.trainer.sft.config import SFTConfig
@@ -68,11 +70,12 @@ def test_micro_batches_give_the_gradient_of_one_row_per_forward(model, model_dir
     loss_scale = sum(row.num_loss_tokens for row in rows)
     if loop == "rl":
         step_fn = train.train_step
-        configs = [TrainerConfig(model={"name": str(model_dir)}, micro_batch_size=k) for k in (1, 3)]
+        configs = [TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=k) for k in (1, 120)]
     else:
         step_fn = sft.train_step
-        configs = [SFTConfig(model={"name": str(model_dir)}, micro_batch_size=k) for k in (1, 3)]
+        configs = [SFTConfig(model={"name": str(model_dir)}, micro_batch_tokens=k) for k in (1, 120)]
 
+    # a budget of 1 position runs each row alone; 120 fits three rows of <= 40 tokens per forward
     one, one_grads = run_step(step_fn, model, configs[0], rows, loss_scale)
     three, three_grads = run_step(step_fn, model, configs[1], rows, loss_scale)
 
@@ -107,8 +110,8 @@ def test_with_an_adapter_only_it_gets_gradients_and_micro_batches_give_the_same_
     loss_scale = sum(row.num_loss_tokens for row in rows)
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
     grads = []
-    for k in (1, 3):
-        config = SFTConfig(model={"name": str(model_dir), "lora": {"rank": 4}}, micro_batch_size=k)
+    for k in (1, 120):  # one row per forward; three rows of <= 40 tokens per forward
+        config = SFTConfig(model={"name": str(model_dir), "lora": {"rank": 4}}, micro_batch_tokens=k)
         for p in adapters.slot_params(0):
             p.grad = None
         sft.train_step(model, rows, loss_scale, config, world, adapters)
@@ -119,3 +122,46 @@ def test_with_an_adapter_only_it_gets_gradients_and_micro_batches_give_the_same_
         assert scale > 0
         # reordered fp32 sums, as in the test above
         torch.testing.assert_close(three, one, rtol=0, atol=1e-5 * scale)
+
+
+def test_rows_as_long_as_the_longest_sample_give_the_gradient_of_full_rows(model, model_dir):
+    """sdpa computes a row's whole L x L score matrix, so the trainer packs into rows only as long as the step's
+    longest sample (`row_capacity`) instead of `seq_len`; the samples, and so loss and gradient, stay the same."""
+    batch = samples()
+    longest = max(len(s.token_ids) for s in batch)
+    capacity = row_capacity([len(s.token_ids) for s in batch], seq_len=40, varlen=False)
+    assert capacity == longest < 40
+    assert row_capacity([len(s.token_ids) for s in batch], seq_len=40, varlen=True) == 40
+    full, short = pack_samples(batch, seq_len=40), pack_samples(batch, seq_len=capacity)
+    assert len(short) > len(full)
+    loss_scale = sum(len(s.token_ids) for s in batch)
+    config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=4096)  # each layout in one forward
+    full_totals, full_grads = run_step(train.train_step, model, config, full, loss_scale)
+    short_totals, short_grads = run_step(train.train_step, model, config, short, loss_scale)
+    # [B, L] positions computed: each layout pads to its longest row; attention scores B x L², fewer when short
+    assert (
+        short_totals["processed_tokens"] == len(short) * longest and full_totals["processed_tokens"] == len(full) * 40
+    )
+    assert len(short) * longest**2 < len(full) * 40**2
+    for key in ("loss", "entropy_sum", "mismatch_kl_sum"):
+        assert short_totals[key] == pytest.approx(full_totals[key], rel=1e-5, abs=1e-6), key
+    for name, grad in full_grads.items():
+        scale = grad.abs().max().item()  # reordered fp32 sums, as in the tests above
+        torch.testing.assert_close(
+            short_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_the_phase_timer_splits_a_step_into_forward_and_backward(model, model_dir):
+    timer = PhaseTimer(torch.device("cpu"))
+    config = TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=40)
+    rows = pack_samples(samples(), seq_len=40)
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    t0 = time.perf_counter()
+    train.train_step(model, rows, {0: 100.0}, config, world, timer=timer)
+    elapsed = time.perf_counter() - t0
+    times = timer.pop()
+    assert set(times) == {"time_forward", "time_backward"}
+    assert 0 < times["time_forward"] and 0 < times["time_backward"]
+    assert times["time_forward"] + times["time_backward"] <= elapsed  # parts of the step, never more than it
+    assert timer.pop() == {}  # popped: the next step starts from zero

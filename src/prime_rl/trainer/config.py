@@ -206,10 +206,11 @@ class TrainerConfig(EntrypointConfig):
     """How each new policy reaches inference: the filesystem, or an in-memory broadcast from rank 0."""
 
     seq_len: int = Field(2048, ge=1)
-    """Maximum tokens per packed row; a sample longer than this is an error."""
+    """Maximum tokens of a sample (a longer one is an error) and of a packed row."""
 
-    micro_batch_size: int = Field(1, ge=1)
-    """Packed rows per forward pass, padded to the longest (concatenated for flash_attention_2); same gradient."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Positions per forward pass, padding included (None: seq_len): as many rows run together as fit; the same
+    gradient whatever the value. Raise it while memory allows: one forward of many rows beats many small ones."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this step (None: run until stopped)."""

@@ -1,9 +1,12 @@
-"""Pack variable-length samples into padding-free rows, spread rows evenly over data-parallel ranks, and group a
-rank's rows into micro-batches (one forward each).
+"""Pack variable-length samples into rows, spread rows evenly over data-parallel ranks, and group a rank's rows
+into micro-batches (one forward each).
 
 Samples are concatenated inside a row; position ids restart at 0 for each sample, which is what lets the attention
-kernel treat the row as block-diagonal (no cross-sample attention). A micro-batch runs `micro_batch_size` rows as
-one [B, L] batch, rows padded to the longest with a padding block of their own (position ids restarting at 0 again,
+kernel treat the row as block-diagonal (no cross-sample attention). How long a row may be depends on the kernel
+(`row_capacity`): a varlen kernel (`flash_attention_2`, or context parallelism) skips the blocks between samples, so
+rows fill `seq_len`; sdpa and eager compute the whole L x L score matrix under a block-diagonal mask, so rows are
+kept as short as the step's longest sample. A micro-batch runs as many rows as fit a token budget as one [B, L]
+batch, rows padded to the longest with a padding block of their own (position ids restarting at 0 again,
 loss-masked), or, for `flash_attention_2`, which finds packed samples only in a batch of one row, as one [1, ΣL] row.
 """
 
@@ -241,15 +244,44 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
     )
 
 
-def micro_batches(rows: list[PackedRow], size: int) -> list[list[PackedRow]]:
-    """Group one rank's rows into micro-batches of at most `size` rows, in order.
+def packs_across_samples(attn: str, cp: int) -> bool:
+    """Whether the attention kernel skips the blocks between a row's samples (varlen): `flash_attention_2`, and
+    context parallelism, whose ring attention runs on one concatenated row."""
+    return attn == "flash_attention_2" or cp > 1
 
-    Every rank gets the same number of groups, ceil(len(rows) / size), because `shard_rows` gives every rank
-    the same number of rows: FSDP's collectives run once per forward, so the ranks must agree. A padding row
-    only exists to make its rank run a forward, so it is dropped from a group that has real rows (it would be
-    padded to the group's longest row for nothing) and kept in a group that has none.
+
+def row_capacity(lengths: Sequence[int], seq_len: int, varlen: bool) -> int:
+    """How long the rows of a step may be: `seq_len` for a varlen kernel, else the step's longest sample.
+
+    sdpa and eager attend over the whole row under a block-diagonal mask, so a row of L tokens costs L² score
+    entries whichever samples it holds: 64 samples of 123 tokens cost 16 x 512² in rows of 512, 64 x 123² (4x
+    fewer) in rows of 123. Rows no longer than the longest sample still take several short samples, and are
+    nearly equal in length, so stacking them pads little. (A sample longer than `seq_len` stays an error.)
     """
-    if size < 1:
-        raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    groups = [rows[i : i + size] for i in range(0, len(rows), size)]
-    return [[row for row in group if not row.is_padding] or group[:1] for group in groups]
+    return seq_len if varlen or not lengths else min(seq_len, max(lengths))
+
+
+def micro_batches(rows: list[PackedRow], max_tokens: int, concatenate: bool) -> list[list[PackedRow]]:
+    """Group one rank's rows into micro-batches of at most `max_tokens` positions each, padding included.
+
+    A group of B rows stacked [B, L] computes B x (its longest row) positions, concatenated ones (`concatenate`)
+    the sum of their lengths; a row longer than the budget runs alone. Rows go longest first, so a group's
+    rows are alike in length. The rows' order does not change the gradient (a sum over micro-batches). A padding
+    row only exists to make its rank run a forward, so it is dropped from a group that has real rows and kept in
+    a group that has none. The ranks may end up with different counts: `forward_passes` evens them out.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {max_tokens}")
+    real = sorted((row for row in rows if not row.is_padding), key=lambda row: -row.num_tokens)
+    if not real:
+        return [rows[:1]] if rows else []
+    groups: list[list[PackedRow]] = []
+    for row in real:
+        group = groups[-1] if groups else None
+        if group:
+            cost = sum(r.num_tokens for r in group) if concatenate else group[0].num_tokens * len(group)
+            if cost + (row.num_tokens if concatenate else group[0].num_tokens) <= max_tokens:
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups

@@ -7,7 +7,10 @@ so it lowers MFU instead of inflating it).
 
 import resource
 import sys
-from collections import deque
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -122,12 +125,52 @@ def peak_memory_gib(device: torch.device) -> float:
     return max_rss / 2**30 if sys.platform == "darwin" else max_rss / 2**20
 
 
+class PhaseTimer:
+    """Seconds per phase of a step (`forward`, `backward`, `optimizer`), summed over the step's micro-batches.
+
+    On CUDA the host runs ahead of the kernels, so a phase is timed with CUDA events and read once at the end of the
+    step (`pop`, one synchronisation) instead of stalling the host after every micro-batch; on a CPU by the clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._spans: dict[str, list] = defaultdict(list)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._spans[phase].append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._spans[phase].append(time.perf_counter() - t0)
+
+    def pop(self) -> dict[str, float]:
+        """`time_<phase>` in seconds for each phase timed since the last call."""
+        if self.cuda and self._spans:
+            torch.cuda.synchronize()
+        times = {
+            f"time_{phase}": sum(s[0].elapsed_time(s[1]) / 1e3 if self.cuda else s for s in spans)
+            for phase, spans in self._spans.items()
+        }
+        self._spans.clear()
+        return times
+
+
 TRAINER_BENCH_COLUMNS = [
     Column("step", "step", "d"),
     Column("seconds", "seconds", ".3f", summary=True),
+    Column("forward s", "time_forward", ".3f", summary=True),
+    Column("backward s", "time_backward", ".3f", summary=True),
+    Column("optim s", "time_optimizer", ".3f", summary=True),
     Column("tokens/s", "tokens_per_s", ".1f", summary=True),
     Column("padding %", "padding_fraction", ".1f", scale=100),
     Column("MFU %", "mfu", ".2f", summary=True),
     Column("peak mem GiB", "peak_memory_gib", ".2f"),
 ]
-"""The trainer's `--bench` table (`utils.bench.format_bench_table`): `seconds` is the training time of a step."""
+"""The trainer's `--bench` table (`utils.bench.format_bench_table`): `seconds` is the training time of a step, of
+which forward, backward and the optimizer step are the main parts (`PhaseTimer`)."""

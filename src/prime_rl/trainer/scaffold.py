@@ -8,7 +8,7 @@ and reads top to bottom; the rest is here, once:
         run = build_run(config, world, "sft", max_steps, "fine-tuning")  # FSDP2 model, optimizer, schedule, resume
         meter = StepMeter(run.model.config, config.seq_len, world)
         ...
-        rows, info = next_rows(world, config.seq_len, take_samples, errors)  # rank 0 makes them, all get theirs
+        rows, info = next_rows(world, config.seq_len, config.model.attn, take_samples, errors)  # rank 0 makes them, all get theirs
         ...  forward/backward every row (the loop's loss)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         sums = all_reduce_sums(totals, world)
@@ -38,7 +38,7 @@ from prime_rl.trainer.model.build import SetupError, build_model, check_device, 
 from prime_rl.trainer.model.logprobs import HeadError
 from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
-from prime_rl.trainer.packing import PackedRow, pack_samples, shard_rows
+from prime_rl.trainer.packing import PackedRow, pack_samples, packs_across_samples, row_capacity, shard_rows
 from prime_rl.trainer.parallel.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
@@ -230,12 +230,14 @@ def build_run(
 def next_rows(
     world: World,
     seq_len: int,
+    attn: str,
     take_samples: Callable[[], tuple[list[TrainingSample] | dict[int, list[TrainingSample]], dict]],
     errors: tuple[type[Exception], ...],
 ) -> tuple[list[PackedRow], dict]:
     """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
 
-    `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
+    Rows are at most `seq_len` long, or as long as the longest sample where the attention kernel `attn` computes
+    the whole row (`row_capacity`). `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
     each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
     `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
     raised on every rank with rank 0's message, instead of leaving the other ranks blocked in the next collective.
@@ -246,8 +248,10 @@ def next_rows(
             samples, facts = take_samples()
             by_slot = samples if isinstance(samples, dict) else {0: samples}
             rows, slots = [], {}
+            lengths = [len(s.token_ids) for slot_samples in by_slot.values() for s in slot_samples]
+            capacity = row_capacity(lengths, seq_len, packs_across_samples(attn, world.cp))
             for slot, slot_samples in by_slot.items():
-                slot_rows = pack_samples(slot_samples, seq_len)
+                slot_rows = pack_samples(slot_samples, capacity)
                 for row in slot_rows:
                     row.slot = slot
                 rows += slot_rows

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from prime_rl.trainer.packing import MicroBatch, PackedRow, collate, micro_batches
+from prime_rl.trainer.packing import MicroBatch, PackedRow, collate, micro_batches, packs_across_samples, padding_row
 from prime_rl.trainer.parallel.context_parallel import cp_context, gather_row, pad_row, shard_row
 from prime_rl.trainer.parallel.distributed import World
 
@@ -183,18 +184,28 @@ def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
     return torch.where(position_ids == 0, 0.0, shifted)
 
 
-def forward_passes(rows: list[PackedRow], micro_batch_size: int, attn: str, world: World) -> Iterator[MicroBatch]:
-    """This rank's rows as the micro-batches of its forward passes, on its device, for `forward_logprobs`.
+def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: World) -> Iterator[MicroBatch]:
+    """This rank's rows as the micro-batches of its forward passes, on its device, for `forward_logprobs`:
+    as many rows per forward as fit `max_tokens` positions (`micro_batches`).
 
+    FSDP's collectives run once per forward, so every rank must run as many as the others: the ranks agree on the
+    largest count (one small all-reduce) and the ones with fewer add forwards of a padding row, which carry no loss.
     With context parallelism each micro-batch is one row (its rows concatenated), padded to a multiple of cp,
     and the loop body (forward *and* backward: activation checkpointing recomputes attention) runs inside
     `cp_context`, which gives every layer's attention the whole row's position ids.
     """
     cp = world.cp
-    for group in micro_batches(rows, micro_batch_size):
+    concatenate = packs_across_samples(attn, cp)
+    groups = micro_batches(rows, max_tokens, concatenate)
+    if world.world_size > 1:
+        counts = torch.zeros(world.world_size, dtype=torch.long, device=world.device)
+        counts[world.rank] = len(groups)
+        dist.all_reduce(counts)  # every rank's count (a sum of one-hots); the largest is everyone's
+        groups += [[padding_row()] for _ in range(int(counts.max()) - len(groups))]
+    for group in groups:
         if cp > 1:
             group = [pad_row(row, cp) for row in group]
-        batch = collate(group, concatenate=attn == "flash_attention_2" or cp > 1).to(world.device)
+        batch = collate(group, concatenate=concatenate).to(world.device)
         with cp_context(world.cp_group, batch.position_ids) if cp > 1 else nullcontext():
             yield batch
 

@@ -8,8 +8,9 @@ import torch
 
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.model.logprobs import forward_logprobs, forward_passes
-from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.packing import MicroBatch, PackedRow
 from prime_rl.trainer.parallel.distributed import World
+from prime_rl.trainer.perf import PhaseTimer
 from prime_rl.trainer.rl.loss import compute_loss
 from prime_rl.trainer.rl.reference import Reference
 
@@ -22,11 +23,13 @@ def train_step(
     world: World,
     adapters=None,
     reference: Reference | None = None,
+    timer: PhaseTimer | None = None,
 ) -> dict[int, dict[str, float]]:
     """Forward/backward every micro-batch of this rank; returns summed statistics per slot (rows of slot s are run s's,
     their loss divided by `loss_scales[s]`, run s's loss tokens in the whole step). Not yet reduced across ranks; the
     ranks of a context-parallel group compute the same ones, which only its first rank reports. `adapters`: the LoRA
-    adapters (`model/lora.py`), told which slot each token trains; `reference`: the frozen policy of the KL penalty."""
+    adapters (`model/lora.py`), told which slot each token trains; `reference`: the frozen policy of the KL penalty;
+    `timer`: where forward and backward time go."""
     totals: dict[int, dict[str, torch.Tensor]] = {slot: {} for slot in loss_scales}
     first = min(loss_scales)
 
@@ -34,34 +37,53 @@ def train_step(
         value = value.detach().double()
         totals[slot][key] = totals[slot][key] + value if key in totals[slot] else value
 
-    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
-        ref_logp = reference.logprobs(batch, world) if reference is not None else None
+    phase = timer or (lambda _: nullcontext())
+    for batch in forward_passes(rows, config.micro_batch_tokens or config.seq_len, config.model.attn, world):
+        with phase("forward"):
+            ref_logp = reference.logprobs(batch, world) if reference is not None else None
         with adapters.tokens(batch.slots, first) if adapters is not None else nullcontext():
-            logp, entropy = forward_logprobs(model, batch, world)
-            tokens = {name: getattr(batch, name).view(-1) for name in ("loss_mask", "inference_logprobs", "advantages")}
-            logp, entropy, sample_ids, slots = logp.view(-1), entropy.view(-1), batch.sample_ids.view(-1), batch.slots
-            present = [s for s in torch.unique(slots).tolist() if s >= 0] or [first]
-            loss = 0.0
-            for slot in present:
-                pick = whole if len(present) == 1 else partial(select, slots.view(-1) == slot)
-                mask = pick(tokens["loss_mask"])
-                kl = {} if ref_logp is None else {"ref_logprobs": pick(ref_logp), "beta": config.reference.beta}
-                slot_loss, stats = compute_loss(
-                    pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
-                    pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss, **kl,
-                )  # fmt: skip
-                loss = loss + slot_loss
-                add(slot, "loss", slot_loss)
-                add(slot, "entropy_sum", torch.where(mask, pick(entropy), 0.0).sum())
-                add(slot, "processed_tokens", torch.tensor(mask.numel() if len(present) > 1 else batch.num_tokens))
-                for key, value in stats.items():
-                    add(slot, key, value)
-            loss.backward()
+            with phase("forward"):
+                loss = batch_loss(model, batch, loss_scales, first, config, world, add, ref_logp)
+            with phase("backward"):
+                loss.backward()
     keys = {key for slot_totals in totals.values() for key in slot_totals}  # every rank ran at least one micro-batch
     zero = torch.zeros((), dtype=torch.float64)
     if world.cp_rank != 0:
         return {slot: dict.fromkeys(keys, 0.0) for slot in totals}
     return {slot: {k: t.get(k, zero).item() for k in keys} for slot, t in totals.items()}  # one sync per statistic
+
+
+def batch_loss(
+    model,
+    batch: MicroBatch,
+    loss_scales: dict[int, float],
+    first: int,
+    config: TrainerConfig,
+    world: World,
+    add,
+    ref_logp: torch.Tensor | None,
+) -> torch.Tensor:
+    """The forward of one micro-batch and its loss, summed over the runs (slots) it holds; `add` collects statistics."""
+    logp, entropy = forward_logprobs(model, batch, world)
+    tokens = {name: getattr(batch, name).view(-1) for name in ("loss_mask", "inference_logprobs", "advantages")}
+    logp, entropy, sample_ids, slots = logp.view(-1), entropy.view(-1), batch.sample_ids.view(-1), batch.slots
+    present = [s for s in torch.unique(slots).tolist() if s >= 0] or [first]
+    loss = 0.0
+    for slot in present:
+        pick = whole if len(present) == 1 else partial(select, slots.view(-1) == slot)
+        mask = pick(tokens["loss_mask"])
+        kl = {} if ref_logp is None else {"ref_logprobs": pick(ref_logp), "beta": config.reference.beta}
+        slot_loss, stats = compute_loss(
+            pick(logp), pick(tokens["inference_logprobs"]), pick(tokens["advantages"]), mask,
+            pick(sample_ids), batch.num_samples, loss_scales[slot], config.loss, **kl,
+        )  # fmt: skip
+        loss = loss + slot_loss
+        add(slot, "loss", slot_loss)
+        add(slot, "entropy_sum", torch.where(mask, pick(entropy), 0.0).sum())
+        add(slot, "processed_tokens", torch.tensor(mask.numel() if len(present) > 1 else batch.num_tokens))
+        for key, value in stats.items():
+            add(slot, key, value)
+    return loss
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

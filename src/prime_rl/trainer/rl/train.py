@@ -24,7 +24,7 @@ from prime_rl.config.loader import load_config
 from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.parallel.distributed import World
-from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
+from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS, PhaseTimer
 from prime_rl.trainer.rl.batches import BATCH_ERRORS, load_batch, policy_versions, wait_until
 from prime_rl.trainer.rl.broadcast import WeightSender
 from prime_rl.trainer.rl.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
@@ -73,6 +73,7 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
         critic = build_critic(config, world, max_steps, resume_step, run.progress)
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
+    timer = PhaseTimer(world.device)
     bench_rows: list[dict] = []
 
     while max_steps is None or run.progress.step < max_steps:
@@ -82,7 +83,10 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             path = batch_path(config.output_dir, step)
             what = f"{path}, which the orchestrator writes (is one running on this output_dir?)"
             wait_until(world, path.exists, what, config.batch_timeout, sender, run)
-        rows, info = next_rows(world, config.seq_len, partial(take_batch, config, step, vocab_size), BATCH_ERRORS)
+        t_wait = time.perf_counter() - t0
+        rows, info = next_rows(
+            world, config.seq_len, config.model.attn, partial(take_batch, config, step, vocab_size), BATCH_ERRORS
+        )
         t_data = time.perf_counter() - t0
 
         loss_scale = max(info["loss_tokens"], 1)
@@ -90,8 +94,9 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             prepared, critic_sums = prepare(critic.model, rows, config.critic, world)
         run.model.train()
         policy_scale = step_loss_scale(config.loss, info["loss_tokens"], info["samples"])  # GSPO: per sequence
-        totals = train_step(run.model, rows, {0: policy_scale}, config, world, reference=reference)[0]
-        grad_norm, lr = run.optimizer_step(config.optim.max_norm)
+        totals = train_step(run.model, rows, {0: policy_scale}, config, world, reference=reference, timer=timer)[0]
+        with timer("optimizer"):
+            grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         if critic is not None:
             value_sums, critic_grad_norm = train_values(critic, rows, prepared, loss_scale, config.critic, world)
             totals |= critic_sums | value_sums
@@ -111,7 +116,8 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
                 critic.maybe_checkpoint(step, max_steps)
             run.maybe_checkpoint(step, max_steps)
 
-        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, times)
+        times |= timer.pop() | {"time_wait_batch": t_wait}
+        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | rl_metrics(sums, info, times) | times
         if critic is not None:
             metrics |= critic_metrics(sums, info["loss_tokens"], critic_grad_norm)
         if world.is_main:
@@ -197,6 +203,18 @@ def publish(
     return {"time_publish": written + sent, "time_wait_taken": time.perf_counter() - start - written - sent}
 
 
+def phase_times(metrics: dict) -> str:
+    """Where the step's time went: waiting for the batch, loading it, forward, backward, the optimizer step (their
+    sum and the rest: `train`), publishing the policy and waiting for the orchestrator to take it."""
+    t = {key: metrics.get(f"time_{key}", 0.0) for key in ("forward", "backward", "optimizer", "wait_taken")}
+    load = metrics["time_data"] - metrics["time_wait_batch"]
+    return (
+        f"wait {metrics['time_wait_batch']:.2f}s load {load:.2f}s fwd {t['forward']:.2f}s bwd {t['backward']:.2f}s "
+        f"opt {t['optimizer']:.2f}s (train {metrics['time_train']:.2f}s) publish {metrics['time_publish']:.2f}s"
+        + (f" taken {t['wait_taken']:.2f}s" if t["wait_taken"] else "")
+    )
+
+
 def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
     critic = f"value_loss {metrics['value_loss']:.4f} | " if "value_loss" in metrics else ""
@@ -205,8 +223,7 @@ def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
         f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | {critic}{ref_kl}grad_norm {metrics['grad_norm']:.3f} | "
         f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | "
-        f"pad {100 * metrics['padding_fraction']:.0f}% | wait {metrics['time_data']:.2f}s "
-        f"train {metrics['time_train']:.2f}s publish {metrics['time_publish']:.2f}s | mem {metrics['peak_memory_gib']:.2f} GiB"
+        f"pad {100 * metrics['padding_fraction']:.0f}% | {phase_times(metrics)} | mem {metrics['peak_memory_gib']:.2f} GiB"
     )
     monitor.log(step, metrics)
 

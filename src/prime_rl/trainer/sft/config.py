@@ -80,10 +80,11 @@ class SFTConfig(EntrypointConfig):
     """Examples (conversations) per optimizer step; skipped examples are replaced by the next ones."""
 
     seq_len: int = Field(2048, ge=2)
-    """Maximum tokens per packed row; longer samples are skipped."""
+    """Maximum tokens of a conversation (longer ones are skipped) and of a packed row."""
 
-    micro_batch_size: int = Field(1, ge=1)
-    """Packed rows per forward pass, padded to the longest (concatenated for flash_attention_2); same gradient."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Positions per forward pass, padding included (None: seq_len): as many rows run together as fit; the same
+    gradient whatever the value. Raise it while memory allows: one forward of many rows beats many small ones."""
 
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to run; the final weights are exported after the last one."""

@@ -35,7 +35,7 @@ from prime_rl.trainer.ckpt import Progress
 from prime_rl.trainer.model.logprobs import forward_logprobs, forward_passes
 from prime_rl.trainer.packing import PackedRow
 from prime_rl.trainer.parallel.distributed import World, broadcast_object
-from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS
+from prime_rl.trainer.perf import TRAINER_BENCH_COLUMNS, PhaseTimer
 from prime_rl.trainer.scaffold import (
     Run,
     StepMeter,
@@ -98,20 +98,29 @@ def take_examples(
 
 
 def train_step(
-    model, rows: list[PackedRow], loss_scale: float, config: SFTConfig, world: World, adapters=None
+    model,
+    rows: list[PackedRow],
+    loss_scale: float,
+    config: SFTConfig,
+    world: World,
+    adapters=None,
+    timer: PhaseTimer | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch of this rank: Σ over loss tokens of -log p(token | what precedes it in
     its sample), divided by the step's loss-token count. Returns summed statistics (not yet reduced across ranks;
     a context-parallel group's first rank reports its group's). `adapters`: with `model.lora`, every token goes
-    through slot 0's adapter.
+    through slot 0's adapter; `timer`: where forward and backward time go.
     """
     loss = torch.zeros((), dtype=torch.float64, device=world.device)
     processed = 0
-    for batch in forward_passes(rows, config.micro_batch_size, config.model.attn, world):
+    phase = timer or (lambda _: nullcontext())
+    for batch in forward_passes(rows, config.micro_batch_tokens or config.seq_len, config.model.attn, world):
         with adapters.tokens(batch.slots, carrier=0) if adapters is not None else nullcontext():
-            logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
-            batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
-            batch_loss.backward()
+            with phase("forward"):
+                logp, _ = forward_logprobs(model, batch, world)  # temperature 1: sft samples carry the default
+                batch_loss = -torch.where(batch.loss_mask, logp, 0.0).sum() / loss_scale
+            with phase("backward"):
+                batch_loss.backward()
         loss += batch_loss.detach().double()
         processed += batch.num_tokens
     if world.cp_rank != 0:
@@ -154,18 +163,20 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         logger.info(f"the data continues at epoch {stream.state.epoch}, example {stream.state.index} of its order")
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
+    timer = PhaseTimer(world.device)
     bench_rows: list[dict] = []
 
     while run.progress.step < max_steps:
         step = run.progress.step + 1
         t0 = time.perf_counter()
         take = partial(take_examples, config, step, stream, vocab_size)
-        rows, info = next_rows(world, config.seq_len, take, DATA_ERRORS)
+        rows, info = next_rows(world, config.seq_len, config.model.attn, take, DATA_ERRORS)
         t_data = time.perf_counter() - t0
 
         run.model.train()
-        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world, run.adapters)
-        grad_norm, lr = run.optimizer_step(config.optim.max_norm)
+        totals = train_step(run.model, rows, max(info["loss_tokens"], 1), config, world, run.adapters, timer)
+        with timer("optimizer"):
+            grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         tokens, samples = run.progress.tokens + info["tokens"], run.progress.samples + info["samples"]
         run.progress = SFTProgress(step, tokens, samples, DataState(**info["data"]))
         sums = all_reduce_sums(totals, world)
@@ -179,14 +190,18 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         t_save = time.perf_counter() - t_save
 
         data = run.progress.data
-        metrics = meter.step(sums, info, grad_norm, lr, t_data, t_train) | {
-            "loss_tokens": info["loss_tokens"],
-            "epoch": data.epoch,
-            "data_index": data.index,
-            "skipped_too_long": data.skipped_too_long,
-            "skipped_no_loss": data.skipped_no_loss,
-            "time_save": t_save,
-        }
+        metrics = (
+            meter.step(sums, info, grad_norm, lr, t_data, t_train)
+            | {
+                "loss_tokens": info["loss_tokens"],
+                "epoch": data.epoch,
+                "data_index": data.index,
+                "skipped_too_long": data.skipped_too_long,
+                "skipped_no_loss": data.skipped_no_loss,
+                "time_save": t_save,
+            }
+            | timer.pop()
+        )
         if world.is_main:
             log_step(step, max_steps, metrics, info["examples"], monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
