@@ -178,13 +178,13 @@ def test_lora_trains_only_an_adapter_that_peft_loads_and_resumes_on_one_rank(mod
     assert count == steps[5]["loss_tokens"]
     assert total / count == pytest.approx(steps[5]["loss"], rel=1e-5)
 
-    # Resume on one rank, two rows per forward: the adapter, optimizer, schedule and data position come back, and
+    # Resume on one rank, all rows of a step in one forward: the adapter, optimizer, schedule and data position come back, and
     # steps 5-8 match the straight run's up to fp32 summation order (as one rank matches two in the test below; a
     # gradient averaged over the ranks instead of summed would halve the grad norm).
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
     proc = sft(model_dir, data_file, resumed, *lora, "--max-steps", "8", "--ckpt", "--ckpt.resume-step", "-1",
-               "--micro-batch-size", "2", nproc=1)  # fmt: skip
+               "--micro-batch-tokens", "65536", nproc=1)  # fmt: skip
     assert "resumed from step 4" in proc.stderr
     again = metrics(resumed)
     assert sorted(again) == [5, 6, 7, 8]
@@ -200,9 +200,9 @@ def test_fake_data_and_the_gradient_do_not_depend_on_the_world_size_micro_batche
 ):
     one, two, cp = tmp_path / "one", tmp_path / "two", tmp_path / "cp"
     proc = sft(model_dir, None, one, "--max-steps", "2", nproc=1)
-    # `--bench` draws the same fake rows (its 8 samples per step = batch_size 8 here); on 2 ranks, 2 rows per
-    # forward. It writes no weights and no checkpoints, even when asked for checkpoints.
-    bench = sft(model_dir, None, two, "--bench", "--micro-batch-size", "2", "--ckpt", "--ckpt.interval", "1")
+    # `--bench` draws the same fake rows (its 8 samples per step = batch_size 8 here); on 2 ranks, 2 rows of 128
+    # tokens per forward. It writes no weights and no checkpoints, even when asked for checkpoints.
+    bench = sft(model_dir, None, two, "--bench", "--micro-batch-tokens", "256", "--ckpt", "--ckpt.interval", "1")
     a, b = metrics(one), metrics(two)
     assert sorted(a) == [1, 2] and sorted(b) == [1, 2, 3, 4, 5]  # bench.steps defaults to 5
     assert a[1]["tokens"] == 8 * 128 and a[1]["loss_tokens"] == 8 * 127
