@@ -85,8 +85,9 @@ class InferenceConfig(EntrypointConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
 
-    kv_cache_gib: int = Field(2, ge=1)
-    """CPU only: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+    kv_cache_gib: int | None = Field(None, ge=1)
+    """CPU only: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`); default: room for `--max-num-seqs` sequences of
+    `max_model_len` tokens (docs/inference.md)."""
 
     seed: int = 0
     """Sampling seed of the engine."""

@@ -12,6 +12,7 @@ import os
 import time
 
 from prime_rl.config.loader import ConfigError, load_config, write_resolved_config
+from prime_rl.inference import cpu_engine
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.utils.net import port_in_use
 from prime_rl.utils.secret import SecretError
@@ -61,8 +62,33 @@ def _enable_plugin() -> None:
         os.environ["VLLM_PLUGINS"] = ",".join(plugins + [PLUGIN_NAME])
 
 
+def _size_kv_cache(config: InferenceConfig, args) -> str:
+    """CPU: the KV cache for what this server can run at once, unless set (`kv_cache_gib`, `VLLM_CPU_KVCACHE_SPACE`,
+    `--kv-cache-memory-bytes`); sets it in `args` or the environment and says what it chose, for the log."""
+    if config.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        return f"{config.kv_cache_gib} GiB (kv_cache_gib)"
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return f"{os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB (VLLM_CPU_KVCACHE_SPACE)"
+    if args.kv_cache_memory_bytes is not None:
+        return f"{args.kv_cache_memory_bytes} bytes (--kv-cache-memory-bytes)"
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    seqs = args.max_num_seqs or cpu_engine.VLLM_CPU_MAX_NUM_SEQS
+    text = getattr(hf_config, "text_config", None) or hf_config
+    length = args.max_model_len or text.max_position_embeddings
+    per_token = cpu_engine.kv_bytes_per_token(hf_config, args.dtype)
+    args.kv_cache_memory_bytes = cpu_engine.kv_cache_bytes(seqs, length, per_token, cpu_engine.available_memory())
+    return f"{args.kv_cache_memory_bytes / cpu_engine.MIB:.0f} MiB for {seqs} sequences of {length} tokens"
+
+
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
+    cpu = cpu_engine.is_cpu_build()
+    if cpu:
+        # Read by OpenMP when torch loads, so before the first vLLM import; a forked engine inherits it.
+        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_engine.engine_threads(len(os.sched_getaffinity(0)))))
     config, extra = load_config(InferenceConfig, "inference", argv, check_passthrough=_check_passthrough)
     if port_in_use(config.server.host, config.server.port):
         raise SystemExit(
@@ -80,7 +106,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"inference: error: {problem}")
     # Environment for vLLM, set before it reads its settings (and inherited by its engine processes).
     _enable_plugin()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     # Adapters are loaded through our /load_lora_adapter. VLLM_ALLOW_RUNTIME_LORA_UPDATING stays off: it would add
     # vLLM's own /v1/load_lora_adapter, which loads any path or hub id without our root and shape checks.
 
@@ -97,6 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     logger.info(f"resolved config written to {path}; vLLM args: {' '.join(masked(config.vllm_args() + extra))}")
     cli_env_setup()
     args = build_vllm_args(config, extra)
+    if cpu:
+        kv = _size_kv_cache(config, args)
+        # Several workers (tp/pp/dp > 1) keep vLLM-CPU's own processes: each needs its own OpenMP binding.
+        one = cpu_engine.single_worker(args)
+        if one:
+            cpu_engine.use_one_engine_process()
+        logger.info(
+            f"CPU engine: KV cache {kv}; {os.environ['OMP_NUM_THREADS']} OpenMP thread(s); "
+            + ("worker inside EngineCore, forked" if one else "vLLM's worker processes")
+        )
     logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
     del uvloop  # ServeSubcommand runs its own event loop
     ServeSubcommand.cmd(args)

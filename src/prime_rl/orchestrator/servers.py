@@ -87,7 +87,9 @@ class InferenceServers:
         return min(healthy, key=lambda url: self.load[url]) if healthy else None
 
     async def wait_healthy(self, timeout: float = 1800.0) -> None:
-        """Every server answers `/health` with 200 (warnings every 30 s while waiting; fails after `timeout`)."""
+        """Every server answers `/health` with 200 (warnings every 30 s while waiting; fails after `timeout`). `rl`
+        starts the orchestrator while vLLM is still starting, so this is where a run's first wait is."""
+        logger.info(f"waiting for inference server(s) {self.urls} to be healthy (at most {timeout:.0f}s)")
         try:
             await asyncio.gather(
                 *(wait_healthy([self.root(url)], timeout, client=self.admin[url]) for url in self.urls)

@@ -1,7 +1,9 @@
 """`main`: the order of an `rl` run, from loading the config to the exit code.
 
-Seed variables, config, run secret, preflight checks, the output-dir lock, resume, logging, the resolved config,
-cleaning stale outputs (or waiting for the host that does), then `launch`; with `--bench`, the table last.
+Seed variables, config, run secret, model directories, the output-dir lock, logging; then the inference server
+starts, so that vLLM imports while the slower checks run (environments, resume; a failed one stops it again); the
+resolved config, cleaning stale outputs (or waiting for the host that does), then `launch`; with `--bench`, the
+table last.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from prime_rl.rl.bench import metrics_size, print_bench_table
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
 from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_secret
-from prime_rl.rl.processes import orchestrators
+from prime_rl.rl.processes import inference_process, orchestrators
 from prime_rl.rl.resume import clean_stale_outputs, resolve_resume, resolve_run_resumes
 from prime_rl.rl.supervise import launch
 from prime_rl.utils.locks import OutputDirBusy, check_free
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.processes import Process, stop_all
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +42,27 @@ def main(argv: list[str] | None = None) -> None:
     writers = ["orchestrator"] if "orchestrator" in roles and not config.runs else []
     writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
     lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
+    # vLLM takes longest to start: it imports while the checks below load the environments (a failed check stops it).
+    inference = inference_process(config, config.output_dir / "logs", tag)
+    if inference is not None:
+        start_logging(config, tag)
+        inference.start()
+    try:
+        code = prepare_and_launch(config, orchs, inference, tag)
+    except BaseException:
+        stop_all([inference] if inference is not None else [], config.stop_grace)
+        raise
+    lock.release()
+    sys.exit(code)
+
+
+def start_logging(config: RLConfig, tag: str) -> None:
+    setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=config.log.file or f"rl{tag}.log")
+
+
+def prepare_and_launch(config: RLConfig, orchs: dict, inference: Process | None, tag: str) -> int:
+    """The rest of the preflight (environments, resume, stale outputs), then `launch`; the run's exit code."""
+    roles = config.deployment.roles
     for orch in orchs.values() if config.runs else []:
         try:
             check_free(orch.output_dir, ["orchestrator"])
@@ -48,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     resume_step = None
     if not config.runs and ("inference" not in roles or len(roles) > 1):
         resume_step = resolve_resume(config)
-    file_name = config.log.file or f"rl{tag}.log"
-    setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=file_name)
+    if inference is None:  # nothing started yet: a refused run has written nothing
+        start_logging(config, tag)
     write_resolved_config(config, f"rl{tag}")
     if config.runs:
         resolve_run_resumes(orchs)
@@ -66,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.bench is not None:
         logger.info(f"bench: {config.bench.steps} steps, checkpoints and W&B off; a table follows the run")
     metrics_start = metrics_size(config.output_dir)
-    code = launch(config, orchs)
+    code = launch(config, orchs, inference)
     if code == 0 and config.bench is not None and {"orchestrator", "trainer"} & set(roles):
         print_bench_table(config.output_dir, metrics_start)
-    lock.release()
-    sys.exit(code)
+    return code

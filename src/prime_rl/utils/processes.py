@@ -27,8 +27,11 @@ class Process:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
         self.name, self.cmd, self.env, self.output = name, cmd, env, output
         self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        """`time.monotonic()` when it was started."""
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         with open(self.output, "ab") as out:
             self.proc = subprocess.Popen(
                 self.cmd,

