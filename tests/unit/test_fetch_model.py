@@ -1,5 +1,5 @@
 """`fetch-model` without the wheel: the registry, the config (names, default path), the manifest check, and the
-atomic write/skip around a stand-in build. The real fetch is tests/integration/test_fetch_model.py."""
+atomic write/skip around a stand-in build. The real fetch is tests/integration/test_fetch_model_wheel.py."""
 
 import json
 import re
