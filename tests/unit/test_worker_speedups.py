@@ -1,9 +1,11 @@
-"""The rollout worker's CPU savers change nothing observable: prime-chat's HTTP call and pydantic's factory check."""
+"""The rollout worker's CPU savers change nothing observable: prime-chat's HTTP call, pydantic's factory check and the
+server clients' aiohttp pool."""
 
 import asyncio
 import functools
 from types import SimpleNamespace
 
+import httpx
 from aiohttp import web
 from pydantic._internal import _fields
 
@@ -87,3 +89,49 @@ def test_a_pydantic_without_the_private_helper_runs_without_the_cache(monkeypatc
     cache_default_factory_signatures()  # no AttributeError
     assert not hasattr(_fields, "takes_validated_data_argument")
     assert "run without its cache" in caplog.text
+
+
+def test_verifiers_openai_clients_pool_on_aiohttp_and_still_talk_http(monkeypatch):
+    """After the patch, verifiers' OpenAI client (the train client's) sends through aiohttp's pool: a request
+    reaches a local server with the SDK's path, headers and body, and the reply comes back parsed; closing frees it."""
+    import httpx_aiohttp
+    from verifiers.v1.clients import base
+    from verifiers.v1.configs.client import BaseClientConfig
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(base, "build_async_httpx", base.build_async_httpx)  # undone after the test
+    patches.pool_http_clients_on_aiohttp()
+    patched = base.build_async_httpx
+    patches.pool_http_clients_on_aiohttp()  # idempotent
+    assert base.build_async_httpx is patched
+    seen = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append({"auth": request.headers["Authorization"], "body": await request.json()})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "x"}]}
+        )
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/models", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
+            assert isinstance(client._client, httpx_aiohttp.HttpxAiohttpClient)
+            reply = await client.post("/models", body={"x": [1, 2]}, cast_to=httpx.Response)
+            assert reply.json()["data"][0]["id"] == "m"
+            assert len(patches._pooled_clients) == 1
+            await patches.close_pooled_clients()
+            assert len(patches._pooled_clients) == 0 and client._client.is_closed
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setenv("K", "secret")
+    asyncio.run(main())
+    assert seen == [{"auth": "Bearer secret", "body": {"x": [1, 2]}}]

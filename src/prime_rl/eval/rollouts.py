@@ -27,7 +27,11 @@ from prime_rl.config.loader import to_toml
 from prime_rl.eval.config import RolloutsConfig
 from prime_rl.orchestrator.envs import check_prompts_fit, load_tasks
 from prime_rl.orchestrator.messages import RolloutResult, RunGroup
-from prime_rl.orchestrator.patches import cache_default_factory_signatures
+from prime_rl.orchestrator.patches import (
+    cache_default_factory_signatures,
+    close_pooled_clients,
+    pool_http_clients_on_aiohttp,
+)
 from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.health import wait_healthy
@@ -75,9 +79,11 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
     for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
     cache_default_factory_signatures()
+    pool_http_clients_on_aiohttp()
     worker = Worker(config, 0, keep_messages, chat_api=config.api == "chat")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(close_shared_client)
+        stack.push_async_callback(close_pooled_clients)
         for env in worker.envs.values():
             await stack.enter_async_context(env.serving())
         yield worker

@@ -35,7 +35,12 @@ from prime_rl.orchestrator.messages import (
     Shutdown,
     ToWorker,
 )
-from prime_rl.orchestrator.patches import cache_default_factory_signatures, install_version_capture
+from prime_rl.orchestrator.patches import (
+    cache_default_factory_signatures,
+    close_pooled_clients,
+    install_version_capture,
+    pool_http_clients_on_aiohttp,
+)
 from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.loop_lag import LoopLagMonitor
 
@@ -139,6 +144,7 @@ async def _serve(config, index: int, address: str) -> None:
     parent = os.getppid()
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(close_shared_client)  # prime-chat's HTTP pool lives on this loop
+        stack.push_async_callback(close_pooled_clients)  # and the server clients' pools
         for env in worker.envs.values():
             await stack.enter_async_context(env.serving())
         worker.loop_lag = LoopLagMonitor()
@@ -181,6 +187,7 @@ def worker_main(config_json: str, index: int, address: str, log_dir: str | None,
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     install_version_capture()
     cache_default_factory_signatures()
+    pool_http_clients_on_aiohttp()
     try:
         asyncio.run(_serve(config, index, address))
     except KeyboardInterrupt:
