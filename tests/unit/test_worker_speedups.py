@@ -13,6 +13,17 @@ import prime_chat
 from prime_rl.orchestrator.patches import cache_default_factory_signatures
 
 
+async def serve(path: str, handler) -> tuple[web.AppRunner, int]:
+    """A local aiohttp server answering POST `path` with `handler`: its runner (to clean up) and port."""
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 def run_launch(status: int, reply: str) -> tuple[object, list[dict]]:
     """ChatHarness.launch against a local stand-in for the interception server; (result, requests seen)."""
     seen = []
@@ -22,13 +33,7 @@ def run_launch(status: int, reply: str) -> tuple[object, list[dict]]:
         return web.Response(status=status, text=reply)
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve("/v1/chat/completions", handler)
         harness = SimpleNamespace(resolve_prompt=lambda data: ("be brief", "hello"))
         try:
             results = []
@@ -114,13 +119,7 @@ def test_verifiers_openai_clients_pool_on_aiohttp_and_still_talk_http(monkeypatc
         )
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/models", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, port = await serve("/v1/models", handler)
         try:
             client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
             assert isinstance(client._client, httpx_aiohttp.HttpxAiohttpClient)
