@@ -532,7 +532,9 @@ def peer_child(spec: dict) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     renderer_options = dict(spec["renderer"] or {})
-    renderer = create_renderer(tokenizer, TypeAdapter(RendererConfig).validate_python(renderer_options or None))
+    # None: the renderer chosen from the model, as the orchestrator's `model.renderer_config()` leaves it
+    config = TypeAdapter(RendererConfig).validate_python(renderer_options) if renderer_options else None
+    renderer = create_renderer(tokenizer, config)
     template_kwargs = {k: v for k, v in renderer_options.items() if k != "name"}
 
     rows, differ = [], 0
