@@ -5,9 +5,19 @@ first use). For chat tasks that is pure overhead: this harness makes the model c
 event loop with one shared HTTP client, which keeps the per-rollout CPU cost near verifiers' floor.
 
 It is a plain verifiers harness (selected with `harness.id = "prime-chat"`), so it also works outside prime-rl.
+
+Tools: when the run serves MCP tool servers (`mcp_urls`: a task's `toolsets`, a taskset's shared ones) the harness
+offers their tools in the request's `tools` and loops: each reply's tool calls run against their server and come
+back as `tool` messages, until a reply calls no tool (or verifiers refuses the next turn: `max_turns`, a token cap,
+a `@vf.stop`). Tool errors, malformed calls and timeouts (`harness.tool_timeout` per call) are tool results the
+model reads, never a failed rollout. The harness never renders tokens: the interception server records each turn
+as the sampler saw it, and the assistant message goes back exactly as it came, so the next turn extends the same
+branch. A task without tools takes the single-call path, with no MCP client.
 """
 
 import asyncio
+import functools
+import json
 
 import aiohttp
 import verifiers.v1 as vf
@@ -33,10 +43,14 @@ def shared_client() -> aiohttp.ClientSession:
 
 
 async def close_shared_client() -> None:
-    """Close the running loop's pool (call before the loop ends, or aiohttp warns about an unclosed session)."""
+    """Close the running loop's pools, chat and MCP (call before the loop ends, or aiohttp warns about an unclosed
+    session)."""
+    from prime_chat.mcp_tools import close_shared_mcp_http
+
     client = _clients.pop(asyncio.get_running_loop(), None)
     if client is not None:
         await client.close()
+    await close_shared_mcp_http()
 
 
 def as_wire(message) -> dict:
@@ -53,22 +67,58 @@ def chat_messages(system: str | None, prompt) -> list[dict]:
     return messages + [as_wire(m) for m in prompt or []]
 
 
+async def post_chat(endpoint: str, secret: str, body: dict) -> tuple[int, bytes]:
+    """POST one chat request to the interception endpoint: (HTTP status, body)."""
+    url, headers = endpoint.rstrip("/") + "/chat/completions", {"Authorization": f"Bearer {secret}"}
+    async with shared_client().post(url, json=body, headers=headers) as response:
+        return response.status, await response.read()  # read in full, so the connection goes back to the pool
+
+
+def assistant_echo(message: dict) -> dict:
+    """A reply as the next request's assistant message: every field as the response had it (None fields dropped),
+    so verifiers matches it to the turn it recorded and the next turn extends the same token branch."""
+    return {key: value for key, value in message.items() if value is not None}
+
+
+async def tool_loop(post, model: str, messages: list[dict], tools) -> ProgramResult:
+    """Call the model with `tools`, run each reply's tool calls, send their results back; until a reply calls no
+    tool or verifiers refuses a turn (a non-2xx answer: the trace holds the stop condition or the error)."""
+    while True:
+        status, content = await post({"model": model, "messages": messages, "tools": tools.specs})
+        if not 200 <= status < 300:
+            return ProgramResult(1, "", content.decode(errors="replace"))
+        message = json.loads(content)["choices"][0]["message"]
+        messages.append(assistant_echo(message))
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return ProgramResult(0, "", "")
+        for call in calls:
+            function = call.get("function") or {}
+            result = await tools.call(function.get("name") or "", function.get("arguments"))
+            messages.append({"role": "tool", "tool_call_id": call.get("id") or "", "content": result})
+
+
 class ChatHarness(vf.Harness[vf.HarnessConfig]):
-    """One chat-completion call on the task's prompt, made in-process."""
+    """A chat loop made in-process: one call for a task without tools, a tool loop over the run's MCP servers."""
 
     APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_MCP = True
     SUPPORTS_RESUME = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, *args, **kwargs) -> ProgramResult:
         system, prompt = self.resolve_prompt(data)
-        body = {"model": ctx.model, "messages": chat_messages(system, prompt)}
-        url, headers = endpoint.rstrip("/") + "/chat/completions", {"Authorization": f"Bearer {secret}"}
-        async with shared_client().post(url, json=body, headers=headers) as response:
-            content = await response.read()  # read in full, so the connection goes back to the pool
+        messages = chat_messages(system, prompt)
+        if mcp_urls:
+            from prime_chat.mcp_tools import McpTools
+
+            config = self.config
+            async with McpTools.connect(mcp_urls, config.tool_timeout, config.disabled_tools) as tools:
+                return await tool_loop(functools.partial(post_chat, endpoint, secret), ctx.model, messages, tools)
+        status, content = await post_chat(endpoint, secret, {"model": ctx.model, "messages": messages})
         # The trace already holds the turn (or the provider error); a non-2xx only needs to end the program.
-        if 200 <= response.status < 300:
+        if 200 <= status < 300:
             return ProgramResult(0, "", "")
         return ProgramResult(1, "", content.decode(errors="replace"))
 
