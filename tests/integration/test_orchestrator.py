@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from conftest import API_KEY, make_adapter
+from token_spans import masked_runs, responses_by_prompt, spy_generations
 from transformers import AutoModelForCausalLM
 
 from prime_rl.batch import batch_path, read_batch
@@ -101,17 +102,6 @@ def full_logprobs(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     return torch.cat([torch.zeros(1), logp])
 
 
-def masked_runs(mask: list[bool]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, m in enumerate([*mask, False]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -119,8 +109,6 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     """Single- and multi-turn rollouts through the real worker code: every sampled span of every sample is
     exactly a vLLM response (ids and logprobs, bit for bit) at exactly the position of its prompt, and the
     logprobs match a transformers forward pass."""
-    import renderers.client as rc
-
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
     from prime_rl.orchestrator.messages import RunGroup
@@ -138,21 +126,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
         seq_len=512,
     )
     install_version_capture()
-    calls: list[tuple[list[int], dict]] = []  # (prompt ids sent, the raw response vLLM returned)
-    parsed: list[dict] = []
-    parse, generate = rc.parse_generate_response, rc.generate
-
-    def spy_parse(raw):
-        parsed.append(json.loads(raw))
-        return parse(raw)
-
-    async def spy_generate(*args, **kwargs):
-        result = await generate(*args, **kwargs)
-        calls.append((list(result["prompt_ids"]), parsed[-1]))  # no await between parse and return
-        return result
-
-    monkeypatch.setattr(rc, "parse_generate_response", spy_parse)
-    monkeypatch.setattr(rc, "generate", spy_generate)
+    calls = spy_generations(monkeypatch)
     tasks = load_tasks(config.env, config.seq_len)
     worker = Worker(config, 0)
 
@@ -165,11 +139,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
         return results
 
     results = verifiers_loop.run_until_complete(run())
-    by_prompt = {}
-    for prompt_ids, response in calls:
-        choice = response["choices"][0]
-        response_tokens = (choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]])
-        by_prompt.setdefault(tuple(prompt_ids), []).append(response_tokens)
+    by_prompt = responses_by_prompt(calls)
     max_diff = 0.0
     for rollouts in results.values():
         assert len(rollouts) == 3
