@@ -177,9 +177,22 @@ def batch_metrics(
     return metrics
 
 
-def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
+def seat_line(groups: list[Group]) -> str:
+    """Each multi-seat environment's mean reward per seat, e.g. `nim first 0.7500 second -0.7500` (a zero-sum
+    game's mean over its seats is always 0, which hides that each seat learns); empty without such environments."""
+    parts = []
+    for env in sorted({g.env for g in groups}):
+        seats = seat_rewards([r for g in groups if g.env == env for r in g.rollouts])
+        if len(seats) > 1:
+            parts.append(" ".join([env, *(f"{seat} {statistics.fmean(v):.4f}" for seat, v in sorted(seats.items()))]))
+    return ", ".join(parts)
+
+
+def log_step(step: int, metrics: dict, monitor: Monitor, seats: str = "") -> None:
+    """The step's console line (`seats`: `seat_line` of the batch, shown after the reward) and its metrics."""
     logger.info(
-        f"step {step} | reward {metrics['reward/mean']:.4f} | seq {metrics['seq_len/mean']:.0f} | "
+        f"step {step} | reward {metrics['reward/mean']:.4f}{f' ({seats})' if seats else ''} | "
+        f"seq {metrics['seq_len/mean']:.0f} | "
         f"{metrics['tokens_per_s']:.0f} tok/s {metrics['rollouts_per_s']:.1f} rollouts/s | "
         f"lag max {metrics['async_lag/max']} mean {metrics['async_lag/mean']:.2f} | "
         f"wait {metrics['time/wait_for_weights']:.2f}s swap {metrics['time/update_weights']:.2f}s | "
@@ -314,7 +327,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 metrics.update(temperatures.metrics())
             if step % config.log_extras.interval == 0:
                 metrics |= log_extras(step, groups, advantages, monitor, config.log_extras)
-            log_step(step, metrics, monitor)
+            log_step(step, metrics, monitor, seat_line(groups))
             if bench:
                 bench_rows.append({"step": step, **metrics})
             scheduler.stats = StepStats()
