@@ -156,7 +156,8 @@ class ToolsConfig(vf.TasksetConfig):
 class ToolsTaskset(vf.Taskset[ToolsTask, ToolsConfig]):
     def load(self):
         for i in range(self.config.num_tasks):
-            yield ToolsTask(vf.TaskData(prompt=f"Use a tool ({i})."), self.config.task)
+            data = vf.TaskData(system_prompt="You call tools.", prompt=f"Use a tool ({i}).")
+            yield ToolsTask(data, self.config.task)
 
     @classmethod
     def toolsets(cls, config: ToolsConfig) -> list[vf.Toolset]:

@@ -92,7 +92,8 @@ def setup_logging(
         lib = logging.getLogger(name)
         lib.handlers = []
         lib.propagate = True
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for name in ("httpx", "httpx2"):  # httpx2: the MCP client's, a line per tool call
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.captureWarnings(True)
     warnings.simplefilter("default")
     _configured = process
