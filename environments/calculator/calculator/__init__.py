@@ -1,9 +1,11 @@
 """calculator: arithmetic word problems on bigger numbers, with a `calculate(expression)` tool.
 
-The exported in-process harness `CalculatorHarness` (harness id `calculator`, the taskset's default) offers the
-tool as an OpenAI function tool, executes the model's tool calls with a safe evaluator (numbers, + - * /,
-parentheses and unary minus only; parsed with `ast`, never `eval`), sends the results back as `tool` messages and
-continues until the model answers without a tool call or `max_turns` model calls were made.
+The tool is an MCP server written the verifiers-v1 way (`calculator.tools.CalculatorTools`, a `vf.Toolset`): one
+server per environment worker (`Taskset.toolsets`), shared by its rollouts; the tool keeps no state. It evaluates
+with a safe evaluator (numbers, + - * /, parentheses and unary minus only; parsed with `ast`, never `eval`). The
+taskset brings no harness: any MCP-capable harness plays it (prime-rl's in-process `prime-chat`, verifiers' `null`
+or `bash`), looping until the model answers without a tool call; a `@vf.stop` ends the episode after `max_turns`
+model calls.
 
 Reward `correct`: the final answer (the last number in the last assistant message, if that message made no tool
 call) equals the true result. Metrics: `tool_calls`, `tool_errors`, `answered`.
@@ -12,33 +14,16 @@ call) equals the true result. Metrics: `tool_calls`, `tool_errors`, `answered`.
 from __future__ import annotations
 
 import ast
-import asyncio
-import json
 import operator
 import random
 import re
 from fractions import Fraction
 
-import httpx
 import verifiers.v1 as vf
 from pydantic import Field
-from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.types import content_text
 
 SYSTEM_PROMPT = "Solve the problem. You may use the calculate tool. End with the final answer as a number."
-
-CALCULATE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculate",
-        "description": "Evaluate an arithmetic expression: numbers, + - * / and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. (1200 + 345) * 12"}},
-            "required": ["expression"],
-        },
-    },
-}
 
 # --- the safe evaluator -----------------------------------------------------------------------------------------
 
@@ -100,19 +85,6 @@ def calculate(expression: str) -> str:
         return format_number(safe_eval(expression))
     except CalculatorError as e:
         return f"Error: {e}"
-
-
-def run_tool_call(name: str | None, arguments: str | None) -> str:
-    """Execute one tool call as the model sent it (a function name and JSON arguments)."""
-    if name != "calculate":
-        return f"Error: unknown tool {name!r}; the only tool is calculate."
-    try:
-        args = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
-        args = None
-    if not isinstance(args, dict) or not isinstance(args.get("expression"), str | int | float):
-        return 'Error: arguments must be a JSON object like {"expression": "12 * (3 + 4)"}.'
-    return calculate(str(args["expression"]))
 
 
 # --- answers ----------------------------------------------------------------------------------------------------
@@ -187,6 +159,11 @@ def problem(rng: random.Random, digits: int) -> tuple[str, str, int]:
 
 
 class CalculatorTask(vf.Task[CalculatorData]):
+    @vf.stop
+    async def out_of_turns(self, trace: vf.Trace) -> bool:
+        """`max_turns` model calls were made (checked before each call, like an agent's `max_turns`)."""
+        return trace.num_turns >= self.data.max_turns
+
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
         return float(final_answer(trace) == self.data.answer)
@@ -197,7 +174,7 @@ class CalculatorTask(vf.Task[CalculatorData]):
 
     @vf.metric
     async def tool_errors(self, trace: vf.Trace) -> float:
-        return float(sum(content_text(m.content).startswith("Error:") for m in trace.tool_messages))
+        return float(sum(content_text(m.content).startswith("Error") for m in trace.tool_messages))
 
     @vf.metric
     async def answered(self, trace: vf.Trace) -> float:
@@ -213,6 +190,8 @@ class CalculatorConfig(vf.TasksetConfig):
     """Digits of the big operands (counts such as trucks or teams are 2-99)."""
     max_turns: int = Field(3, ge=1)
     """Model calls per episode, tool rounds included."""
+    tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
+    """Where the tool server runs (default: a local subprocess, one per environment worker)."""
 
 
 def generate(config: CalculatorConfig) -> list[tuple[str, str, int]]:
@@ -233,101 +212,11 @@ class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorConfig]):
             )
             yield CalculatorTask(data, self.config.task)
 
+    @classmethod
+    def toolsets(cls, config: CalculatorConfig) -> list[vf.Toolset]:
+        from calculator.tools import CalculatorTools
 
-# --- the harness ------------------------------------------------------------------------------------------------
-
-_HTTP_CLIENTS: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-
-
-def http_client() -> httpx.AsyncClient:
-    """One shared client per event loop, created on first use and never closed by a rollout (creating one per
-    rollout costs ~20 ms of TLS-context setup, and closing a shared one breaks its siblings)."""
-    loop = asyncio.get_running_loop()
-    client = _HTTP_CLIENTS.get(loop)
-    if client is None:
-        for old in [old for old in _HTTP_CLIENTS if old.is_closed()]:
-            del _HTTP_CLIENTS[old]
-        # The endpoint is verifiers' local interception server: no proxies, no read timeout (the rollout's own
-        # deadline bounds a turn), no pool cap (one connection per rollout in flight).
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=30.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
-            trust_env=False,
-        )
-        _HTTP_CLIENTS[loop] = client
-    return client
+        return [CalculatorTools(config.tools)]
 
 
-async def chat_completion(endpoint: str, secret: str, body: dict) -> dict:
-    """POST `{endpoint}/chat/completions` and return `choices[0]` of the response."""
-    response = await http_client().post(
-        f"{endpoint.rstrip('/')}/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"}
-    )
-    if response.status_code != 200:
-        # The interception server records the real cause (a stop condition or provider error) on the trace.
-        raise RuntimeError(f"chat completion failed: HTTP {response.status_code}: {response.text[:500]}")
-    return response.json()["choices"][0]
-
-
-def initial_messages(harness: vf.Harness, data: vf.TaskData) -> list[dict]:
-    system, prompt = harness.resolve_prompt(data)
-    messages = [{"role": "system", "content": system}] if system else []
-    if isinstance(prompt, str):
-        messages.append({"role": "user", "content": prompt})
-    else:
-        messages += [message_to_wire(m) for m in prompt or []]
-    return messages
-
-
-def assistant_echo(message: dict, tool_calls: list[dict]) -> dict:
-    """The reply as the next request's assistant message: text, reasoning and tool calls as returned (so the trace
-    recognizes it as the turn it recorded)."""
-    echo: dict = {"role": "assistant", "content": message.get("content") or ("" if not tool_calls else None)}
-    for key in ("reasoning_content", "reasoning"):
-        if message.get(key):
-            echo[key] = message[key]
-            break
-    if tool_calls:
-        echo["tool_calls"] = tool_calls
-    return echo
-
-
-def function_calls(message: dict) -> list[dict]:
-    """The message's function tool calls in wire form (`id`, `type`, `function.name`, `function.arguments`)."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        calls.append(
-            {
-                "id": call.get("id") or f"call_{len(calls)}",
-                "type": "function",
-                "function": {"name": function.get("name") or "", "arguments": function.get("arguments") or ""},
-            }
-        )
-    return calls
-
-
-class CalculatorHarness(vf.Harness[vf.HarnessConfig]):
-    """A chat loop with the `calculate` tool, in this process; tools run here, not in the runtime."""
-
-    APPENDS_SYSTEM_PROMPT = True
-    SUPPORTS_RESUME = True  # a stateless chat + tool loop can continue from any transcript
-    EXECUTES_CODE = False  # the model gets an arithmetic evaluator, not code execution
-    NEEDS_CONTAINER = False
-
-    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-        messages = initial_messages(self, data)
-        for _ in range(data.max_turns):
-            body = {"model": ctx.model, "messages": messages, "tools": [CALCULATE_TOOL]}
-            message = (await chat_completion(endpoint, secret, body))["message"]
-            calls = function_calls(message)
-            messages.append(assistant_echo(message, calls))
-            if not calls:
-                break
-            for call in calls:
-                result = run_tool_call(call["function"]["name"], call["function"]["arguments"])
-                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-        return vf.ProgramResult(0, "", "")
-
-
-__all__ = ["CalculatorTaskset", "CalculatorHarness"]
+__all__ = ["CalculatorTaskset"]

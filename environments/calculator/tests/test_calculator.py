@@ -5,7 +5,6 @@ from fractions import Fraction
 import env_testkit as kit
 import pytest
 from calculator import (
-    CALCULATE_TOOL,
     SYSTEM_PROMPT,
     CalculatorConfig,
     CalculatorData,
@@ -15,9 +14,10 @@ from calculator import (
     calculate,
     format_number,
     parse_number,
-    run_tool_call,
     safe_eval,
 )
+
+from prime_chat import close_shared_client
 
 # verifiers keeps some asyncio state bound to the loop that first used it: one loop for this module.
 LOOP = asyncio.new_event_loop()
@@ -98,17 +98,6 @@ def test_format_and_calculate():
     assert calculate("a.b").startswith("Error: unsupported syntax (Attribute)")
 
 
-def test_run_tool_call():
-    assert run_tool_call("calculate", '{"expression": "12 * (3 + 4)"}') == "84"
-    assert run_tool_call("calculate", '{"expression": 42}') == "42"
-    assert run_tool_call("python", '{"expression": "1"}') == "Error: unknown tool 'python'; the only tool is calculate."
-    bad_args = 'Error: arguments must be a JSON object like {"expression": "12 * (3 + 4)"}.'
-    assert run_tool_call("calculate", "12 * 7") == bad_args
-    assert run_tool_call("calculate", '{"expr": "1"}') == bad_args
-    assert run_tool_call("calculate", '["1 + 1"]') == bad_args
-    assert run_tool_call("calculate", None) == bad_args
-
-
 @pytest.mark.parametrize(
     ("text", "number"),
     [
@@ -172,12 +161,15 @@ WAREHOUSE = CalculatorTask(
 )
 
 
-async def run_episodes(script, task_list, harness: str | None = "calculator", **taskset_args):
-    agent = {"runtime": {"type": "subprocess"}}
-    if harness is not None:
-        agent["harness"] = {"id": harness}
+async def run_episodes(script, task_list, **taskset_args):
+    """Episodes with prime-rl's in-process `prime-chat` harness (what prime-rl gives a taskset without a harness),
+    which runs the tool calls against the taskset's MCP tool server."""
+    agent = {"runtime": {"type": "subprocess"}, "harness": {"id": "prime-chat"}}
     config = {"taskset": {"id": "calculator", **taskset_args}, "agent": agent}
-    return await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
+    try:
+        return await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
+    finally:
+        await close_shared_client()  # prime-chat's pools live on this loop
 
 
 def test_episode_tool_call_then_answer(monkeypatch):
@@ -193,10 +185,12 @@ def test_episode_tool_call_then_answer(monkeypatch):
     assert trace.metrics == {"answered": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
     assert [m.role for m in trace.messages] == ["system", "user", "assistant", "tool", "assistant"]
     (tool_message,) = trace.tool_messages
-    assert (tool_message.tool_call_id, tool_message.content, tool_message.name) == ("call_1", "5340", "calculate")
+    assert (tool_message.tool_call_id, tool_message.content) == ("call_1", "5340")
     assert [t.name for t in trace.tools] == ["calculate"]
     assert len(requests) == 2 and trace.num_branches == 1
-    assert all(r["tools"] == [CALCULATE_TOOL] for r in requests)
+    for request in requests:  # the MCP server's tool, in OpenAI function format
+        (tool,) = request["tools"]
+        assert tool["function"]["name"] == "calculate" and tool["function"]["parameters"]["required"] == ["expression"]
     assert requests[1]["messages"][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "5340"}
     assert requests[1]["messages"][-2]["tool_calls"] == [tool_call("1200 + 12 * 345")]
 
@@ -206,20 +200,23 @@ def test_episode_refused_tool_call_and_wrong_answer(monkeypatch):
     script = scripted(
         {
             "content": "Let me try.",
-            "tool_calls": [tool_call("__import__('os').system('echo pwned')", "a"), tool_call("12 * 345", "b")],
+            "tool_calls": [
+                tool_call("__import__('os').system('echo pwned')", "a"),
+                tool_call("12 * 345", "b"),
+                {"id": "c", "type": "function", "function": {"name": "calculate", "arguments": '{"expr": "1"}'}},
+            ],
         },
         {"content": "5000"},
     )
     episodes, requests = LOOP.run_until_complete(run_episodes(script, [WAREHOUSE], num_tasks=1))
     (trace,) = episodes[0].traces
     assert not trace.has_error, trace.errors
-    assert [m.content for m in trace.tool_messages] == [
-        "Error: unsupported syntax (Call); use numbers, + - * / and parentheses",
-        "4140",
-    ]
-    assert [m.tool_call_id for m in trace.tool_messages] == ["a", "b"]
+    refused, result, bad_args = [m.content for m in trace.tool_messages]
+    assert (refused, result) == ("Error: unsupported syntax (Call); use numbers, + - * / and parentheses", "4140")
+    assert bad_args.startswith("Error") and "expression" in bad_args  # the server refuses a call without it
+    assert [m.tool_call_id for m in trace.tool_messages] == ["a", "b", "c"]
     assert trace.reward == 0.0
-    assert trace.metrics == {"answered": 1.0, "tool_calls": 2.0, "tool_errors": 1.0}
+    assert trace.metrics == {"answered": 1.0, "tool_calls": 3.0, "tool_errors": 2.0}
 
 
 def test_episode_out_of_turns(monkeypatch):
@@ -227,14 +224,14 @@ def test_episode_out_of_turns(monkeypatch):
     script = scripted(*[{"content": "5340?", "tool_calls": [tool_call("1200 + 12 * 345", f"c{i}")]} for i in range(4)])
     episodes, requests = LOOP.run_until_complete(run_episodes(script, [WAREHOUSE], num_tasks=1))
     (trace,) = episodes[0].traces
-    assert len(requests) == 3  # max_turns model calls
+    assert len(requests) == 3 and trace.stop_condition == "out_of_turns"  # max_turns model calls
     assert trace.reward == 0.0  # the last message is a tool call, not a final answer
     assert trace.metrics == {"answered": 0.0, "tool_calls": 3.0, "tool_errors": 0.0}
 
 
-def test_episodes_from_taskset_with_default_harness(monkeypatch):
-    """Ids as a user types them, the taskset's own harness (none pinned), and a player that computes each
-    problem's expression with the tool and answers with the tool's result."""
+def test_episodes_from_taskset(monkeypatch):
+    """Tasks as the taskset generates them, and a player that computes each problem's expression with the tool
+    and answers with the tool's result."""
     monkeypatch.setenv(API_KEY_VAR, "sk-test")
     expressions: dict[str, str] = {}
 
@@ -249,11 +246,11 @@ def test_episodes_from_taskset_with_default_harness(monkeypatch):
         expressions.update({t.data.prompt: t.data.expression for t in tasks_})
         return tasks_
 
-    episodes, requests = LOOP.run_until_complete(run_episodes(player, tasks, harness=None, num_tasks=5, digits=4))
+    episodes, requests = LOOP.run_until_complete(run_episodes(player, tasks, num_tasks=5, digits=4))
     assert len(episodes) == 5 and len(requests) == 10
     for episode in episodes:
         (trace,) = episode.traces
         assert episode.ok, episode.errors
-        assert trace.agent.config.harness.id == "calculator"
+        assert trace.agent.config.harness.id == "prime-chat"
         assert trace.reward == 1.0
         assert trace.metrics["tool_calls"] == 1.0
