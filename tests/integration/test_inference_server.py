@@ -319,13 +319,16 @@ def test_chat_completions_return_token_ids_and_logprobs(server):
 
 
 def test_passthrough_vllm_flag_reached_the_engine(server):
-    """`--max-num-seqs 48` is not ours: vLLM receives it; our own fields land in vLLM and in the resolved config."""
+    """`--max-logprobs 8` is not ours: vLLM receives it; our own fields (`--max-num-seqs 48` among them) land in vLLM
+    and in the resolved config."""
     log = (server.output_dir / "logs" / "inference.log").read_text()
-    assert "'max_num_seqs': 48" in log and "'logprobs_mode': 'processed_logprobs'" in log
+    assert "'max_logprobs': 8" in log and "'max_num_seqs': 48" in log
+    assert "'logprobs_mode': 'processed_logprobs'" in log
     r = httpx.get(f"{server.url}/v1/models", headers=server.headers, timeout=30)
     assert r.json()["data"][0]["max_model_len"] == 512
     resolved = tomllib.loads((server.output_dir / "configs" / "inference.toml").read_text())
     assert resolved["model"]["max_model_len"] == 512 and resolved["model"]["name"] == str(server.base)
+    assert resolved["max_num_seqs"] == 48 and "max_logprobs" not in resolved
 
 
 def short_error(r: httpx.Response, status: int) -> str:

@@ -229,13 +229,15 @@ def test_inference_entry_point_exits_2_before_loading_vllm():
 
 
 def test_inference_flags_vllm_knows_pass_and_others_fail():
-    """`--max-num-seqs` reaches vLLM's parser and is accepted; a flag neither knows fails before the engine."""
-    ok = subprocess.run([INFERENCE, "--max-num-seqs", "8", "--dry-run"], capture_output=True, text=True, timeout=180)
+    """`--max-num-batched-tokens` reaches vLLM's parser and is accepted; a flag neither knows fails before the
+    engine."""
+    flag = ["--max-num-batched-tokens", "512"]
+    ok = subprocess.run([INFERENCE, *flag, "--dry-run"], capture_output=True, text=True, timeout=180)
     assert ok.returncode == 0, ok.stderr
-    assert "# passed through: --max-num-seqs 8" in ok.stdout
-    bad = subprocess.run([INFERENCE, "--max-num-sqes", "8"], capture_output=True, text=True, timeout=180)
+    assert "# passed through: --max-num-batched-tokens 512" in ok.stdout
+    bad = subprocess.run([INFERENCE, "--max-num-batched-tokns", "8"], capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2
-    assert "unknown option(s) --max-num-sqes" in bad.stderr and "Traceback" not in bad.stderr
+    assert "unknown option(s) --max-num-batched-tokns" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_unrelated_prime_env_vars_are_ignored(monkeypatch, capsys):
@@ -354,10 +356,10 @@ def test_ambiguous_undotted_spelling_lists_the_options(capsys):
 
 def test_passthrough_collects_foreign_flags_with_their_values(capsys):
     seen = []
-    argv = ["--max-num-seqs", "8", "--model.name", "m", "--enforce-eager", "--swap-space=4", "-tp", "2"]
+    argv = ["--max-logprobs", "8", "--model.name", "m", "--enforce-eager", "--swap-space=4", "-tp", "2"]
     cfg, extra = load_config(InferenceConfig, "inference", argv, check_passthrough=lambda c, e: seen.append(e))
     assert cfg.model.name == "m" and extra == seen[0] == [
-        "--max-num-seqs",
+        "--max-logprobs",
         "8",
         "--enforce-eager",
         "--swap-space=4",

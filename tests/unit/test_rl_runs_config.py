@@ -100,3 +100,23 @@ def test_contradictory_runs_are_refused_naming_what(tmp_path, capsys, toml, flag
     assert message in err, err
     if "batch_sise" in toml:
         assert "batch_sise" in err
+
+
+def test_server_runs_as_many_sequences_as_the_orchestrators_keep_in_flight(tmp_path):
+    """Each rollout makes one model call at a time, so vLLM never needs more sequences than the rollouts in flight
+    (and on CPU the KV cache is sized for them): groups in flight x rollouts per group, summed over the runs."""
+    single = RLConfig(model={"name": "m"}, inference={}, orchestrator={"batch_size": 64, "rollouts_per_example": 8})
+    assert single.inference.max_num_seqs == 64 and single.inference.vllm_args()[-2:] == ["--max-num-seqs", "64"]
+    # oversampling 1.5: round(8 groups x 1.5) = 12 groups of 8.
+    over = RLConfig(model={"name": "m"}, inference={}, orchestrator={"batch_size": 64, "rollouts_per_example": 8,
+                                                                      "oversampling": 1.5})  # fmt: skip
+    assert over.inference.max_num_seqs == 96
+    # Two runs of batch_size 8: 8 rollouts in flight each.
+    runs = rl_config(tmp_path, BASE + TWO_RUNS)
+    assert (
+        runs.inference.max_num_seqs
+        == sum(o.groups_in_flight * o.rollouts_per_example for o in runs.run_orchestrators().values())
+        == 16
+    )
+    # A value the user set is kept.
+    assert RLConfig(model={"name": "m"}, inference={"max_num_seqs": 5}).inference.max_num_seqs == 5

@@ -370,3 +370,8 @@ class OrchestratorConfig(EntrypointConfig):
     @property
     def groups_per_batch(self) -> int:
         return self.batch_size // self.rollouts_per_example
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups the scheduler keeps running at once (`oversampling`)."""
+        return max(1, round(self.groups_per_batch * self.oversampling))

@@ -1,6 +1,6 @@
 """Config of the `inference` entry point: the fields users set most, mapped onto vLLM's arguments.
 
-Anything vLLM accepts that is not here can be passed on the command line as is (`--max-num-seqs 8`).
+Anything vLLM accepts that is not here can be passed on the command line as is (`--max-num-batched-tokens 4096`).
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class InferenceConfig(EntrypointConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (lower it when the trainer shares the GPU)."""
 
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Sequences the engine runs at once (vLLM `--max-num-seqs`); default: vLLM's (128 on CPU). `rl` sets it to the
+    rollouts its orchestrators keep in flight, which on CPU also sizes the KV cache (`kv_cache_gib`)."""
+
     kv_cache_gib: int | None = Field(None, ge=1)
     """CPU only: KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`); default: room for `--max-num-seqs` sequences of
     `max_model_len` tokens (docs/inference.md)."""
@@ -134,6 +138,8 @@ class InferenceConfig(EntrypointConfig):
         ]  # fmt: skip
         if m.max_model_len is not None:
             args += ["--max-model-len", str(m.max_model_len)]
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
         if m.enforce_eager:
             args.append("--enforce-eager")
         if m.trust_remote_code:

@@ -69,6 +69,21 @@ def use_one_engine_process() -> None:
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
 
+def rank_tokens_eagerly() -> None:
+    """vLLM ranks each sampled token among the vocabulary (a logprobs field) with a `torch.compile`d one-liner even
+    when the model runs eagerly. On CPU the first request with logprobs then pays for compiling it (dynamo, inductor
+    and a C++ build): ~4 s of the first RL batch on the 2-core machine, every run. The eager expression is the same
+    computation. Call before the engine starts: a forked engine inherits it (spawned workers keep vLLM's own)."""
+    import vllm.v1.sample.sampler as sampler
+
+    sampler.batched_count_greater_than = count_at_least
+
+
+def count_at_least(x, values):
+    """Per row of `x`, how many entries are >= that row's value (vLLM's `batched_count_greater_than`, uncompiled)."""
+    return (x >= values).sum(-1)
+
+
 def kv_bytes_per_token(hf_config, dtype: str) -> int:
     """KV cache bytes one token takes: keys and values of every layer's KV heads. Exact for standard attention, an
     over-estimate for MLA, sliding-window and hybrid models (which store less), never an under-estimate."""

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         one = cpu_engine.single_worker(args)
         if one:
             cpu_engine.use_one_engine_process()
+            cpu_engine.rank_tokens_eagerly()
         logger.info(
             f"CPU engine: KV cache {kv}; {os.environ['OMP_NUM_THREADS']} OpenMP thread(s); "
             + ("worker inside EngineCore, forked" if one else "vLLM's worker processes")

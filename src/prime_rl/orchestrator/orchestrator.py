@@ -242,47 +242,56 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
     lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
     config.model.renderer_config()  # a bad renderer fails here, before any server or worker is touched
-    tasks = load_environments(config)
-    ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
-    buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
-    # reinforce_mean's baseline and the temperature scaling keep state across steps (and checkpoints).
-    baseline = RunningMean(config.advantage.baseline_decay) if config.advantage.estimator == "reinforce_mean" else None
-    temperatures = TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
-    progress = ckpt.Progress()
-    resuming = config.ckpt is not None and config.ckpt.resuming
-    if resuming:
-        step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
-        progress, states = ckpt.load(output_dir, step)
-        buffer.load_state_dict(states["buffer"])
-        for name, part in (("advantage_baseline", baseline), ("temperature", temperatures)):
-            if part is not None and name in states:
-                part.load_state_dict(states[name])
-            elif part is not None:
-                logger.warning(f"checkpoint step {step} has no {name} state (saved without it): starting it afresh")
-        for name, env_tasks in tasks.items():
-            if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
-                env_tasks.skip(buffer.drawn(name))
-        logger.info(f"resuming from step {step}: the next batch is {step + 1}")
-    remove_steps_after(Path(output_dir) / "rollouts", progress.step)  # an earlier life's: a trainer would train them
-    write_resolved_config(config, "orchestrator")  # now: a LoRA trainer takes it as this run (re)starting
-
-    monitor = Monitor(
-        output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming, config.tensorboard
-    )
-    broadcast = (
-        BroadcastClient(config.weight_broadcast, config.stall_timeout) if config.weight_broadcast.in_memory else None
-    )
-    client = config.client
-    adapter = config.adapter.name if config.adapter is not None else None
-    servers = InferenceServers(client.base_url, client.api_key_var, client.timeout, output_dir, broadcast, adapter)
     workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
-    lag = LoopLagMonitor()
-    lag_task = asyncio.create_task(lag.run())
-    bench = config.bench is not None
-    max_steps = config.bench.steps if bench else config.max_steps
-    bench_rows: list[dict] = []
+    workers.launch()
+    lag_task = servers = monitor = None
     exit_code = 1
     try:
+        tasks = load_environments(config)
+        ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
+        buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
+        # reinforce_mean's baseline and the temperature scaling keep state across steps (and checkpoints).
+        baseline = (
+            RunningMean(config.advantage.baseline_decay) if config.advantage.estimator == "reinforce_mean" else None
+        )
+        temperatures = (
+            TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
+        )
+        progress = ckpt.Progress()
+        resuming = config.ckpt is not None and config.ckpt.resuming
+        if resuming:
+            step = ckpt.resolve_resume_step(output_dir, config.ckpt.resume_step)
+            progress, states = ckpt.load(output_dir, step)
+            buffer.load_state_dict(states["buffer"])
+            for name, part in (("advantage_baseline", baseline), ("temperature", temperatures)):
+                if part is not None and name in states:
+                    part.load_state_dict(states[name])
+                elif part is not None:
+                    logger.warning(f"checkpoint step {step} has no {name} state (saved without it): starting it afresh")
+            for name, env_tasks in tasks.items():
+                if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
+                    env_tasks.skip(buffer.drawn(name))
+            logger.info(f"resuming from step {step}: the next batch is {step + 1}")
+        # Batches past the resume step are an earlier life's: a trainer would train them.
+        remove_steps_after(Path(output_dir) / "rollouts", progress.step)
+        write_resolved_config(config, "orchestrator")  # now: a LoRA trainer takes it as this run (re)starting
+
+        monitor = Monitor(
+            output_dir, "orchestrator", config.wandb, config.model_dump(mode="json"), resuming, config.tensorboard
+        )
+        broadcast = (
+            BroadcastClient(config.weight_broadcast, config.stall_timeout)
+            if config.weight_broadcast.in_memory
+            else None
+        )
+        client = config.client
+        adapter = config.adapter.name if config.adapter is not None else None
+        servers = InferenceServers(client.base_url, client.api_key_var, client.timeout, output_dir, broadcast, adapter)
+        lag = LoopLagMonitor()
+        lag_task = asyncio.create_task(lag.run())
+        bench = config.bench is not None
+        max_steps = config.bench.steps if bench else config.max_steps
+        bench_rows: list[dict] = []
         await servers.wait_healthy()
         if bench:
             logger.info(f"bench: {max_steps} steps on the weights the servers serve now; no batches, no checkpoints")
@@ -290,7 +299,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             # A fresh run starts from base weights even on a server reused from an earlier run.
             seconds = await servers.load_policy(progress.step)
             logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
-        await workers.start()
+        await workers.ready()
         logger.info(f"{config.workers} rollout worker(s) ready")
         scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers, temperatures)
         while max_steps is None or progress.step < max_steps:
@@ -343,10 +352,13 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             print(format_bench_table(bench_rows, BENCH_COLUMNS), flush=True)
         exit_code = 0
     finally:
-        lag_task.cancel()
+        if lag_task is not None:
+            lag_task.cancel()
         await workers.close()
-        await servers.close(finished=exit_code == 0)
-        monitor.close(exit_code)
+        if servers is not None:
+            await servers.close(finished=exit_code == 0)
+        if monitor is not None:
+            monitor.close(exit_code)
         lock.release()
 
 

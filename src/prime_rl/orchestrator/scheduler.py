@@ -198,7 +198,7 @@ class Scheduler:
         self.finished: list[Group] = []  # accepted groups not yet handed to a batch
         self.ids = itertools.count()
         self.stats = StepStats()
-        self.target_inflight = max(1, round(config.groups_per_batch * config.oversampling))
+        self.target_inflight = config.groups_in_flight
         unusable_limit = max(16, 2 * config.groups_per_batch)
         self.liveness = Liveness(config.stall_timeout, unusable_limit, config.seq_len)
         # With an in-memory broadcast the trainer waits until its new policy is taken: look for it often (a look is

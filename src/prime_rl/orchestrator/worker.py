@@ -93,6 +93,19 @@ class Worker:
         self.loop_lag: LoopLagMonitor | None = None
         """Set by a worker process that watches its event loop; its worst lag goes back with each group."""
 
+    async def warm_renderers(self) -> None:
+        """Build the renderer the train clients will use (its tokenizer, and transformers with it) before we report
+        ready. verifiers builds it on the first rollout, which put seconds of imports into the first batch; the
+        worker starts while the servers do, so here they are off the critical path. The pool is verifiers'
+        process-wide one, keyed as the clients key it, so their first rollout finds this renderer."""
+        from verifiers.v1.clients.train import ElasticRendererPool
+
+        for client in self.clients.values():
+            if isinstance(client, self.vf.TrainClientConfig):  # one renderer serves them all: the rest reuse it
+                await ElasticRendererPool(
+                    client.renderer_model_name, client.renderer, multiplex=client.multiplex
+                ).grow()
+
     def build_task(self, env_name: str, data: dict):
         env = self.envs[env_name]
         task_cls = type(env.taskset).task_type()
@@ -147,6 +160,7 @@ async def _serve(config, index: int, address: str) -> None:
         stack.push_async_callback(close_pooled_clients)  # and the server clients' pools
         for env in worker.envs.values():
             await stack.enter_async_context(env.serving())
+        await worker.warm_renderers()
         worker.loop_lag = LoopLagMonitor()
         background = {asyncio.create_task(worker.loop_lag.run())}
 
@@ -229,10 +243,14 @@ class RolloutWorkers:
         self.owner: dict[int, int] = {}  # group id -> worker index
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromWorker)
 
-    async def start(self, timeout: float = 600.0) -> None:
-        """Spawn the workers and wait until each has loaded every environment."""
+    def launch(self) -> None:
+        """Spawn the workers. Do it early: each imports verifiers and loads every environment (seconds of CPU), which
+        overlaps the orchestrator's own set-up and the inference servers' start."""
         for process in self.processes:
             process.start()
+
+    async def ready(self, timeout: float = 600.0) -> None:
+        """Wait until each launched worker has loaded every environment."""
         deadline = time.monotonic() + timeout
         while len(self.identities) < len(self.processes):
             self.check_alive()
@@ -277,10 +295,11 @@ class RolloutWorkers:
             with contextlib.suppress(Exception):
                 await self.socket.send_multipart([identity, self.encoder.encode(Shutdown())])
         deadline = time.monotonic() + grace
-        for process in self.processes:
+        for i, process in enumerate(self.processes):
             if process.pid is None:  # never started (the run failed before the workers were needed)
                 continue
-            process.join(max(0.0, deadline - time.monotonic()))
+            if i in self.identities:  # a ready worker finishes what it has in hand; one still loading has nothing
+                process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join(1.0)

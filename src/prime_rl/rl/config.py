@@ -228,6 +228,8 @@ class RLConfig(EntrypointConfig):
             _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
         elif inf is not None and "api_key_var" not in orch.client.model_fields_set:
             orch.client.api_key_var = SECRET_VAR  # the run's servers take the run secret as token when they have no key
+        if inf is not None and inf.max_num_seqs is None and "orchestrator" in deploy.roles:
+            inf.max_num_seqs = self._rollouts_in_flight()
         if self.bench is not None:
             self._bench()
         if self.runs and trainer.model.lora is None:
@@ -236,6 +238,16 @@ class RLConfig(EntrypointConfig):
             self._lora()
         self._check_agreement()
         return self
+
+    def _rollouts_in_flight(self) -> int | None:
+        """The most rollouts this host's orchestrators keep in flight, each with at most one model call at a time:
+        the servers never need more sequences at once (more calls, e.g. a judge's, queue). None when a run's config
+        does not load (reported when the runs start)."""
+        try:
+            orchs = list(self.run_orchestrators().values()) if self.runs else [self.orchestrator]
+        except ValueError:
+            return None
+        return sum(o.groups_in_flight * o.rollouts_per_example for o in orchs)
 
     def _lora(self) -> None:
         """LoRA: every run's orchestrator trains an adapter, the trainer has a slot for each, inference serves them."""
