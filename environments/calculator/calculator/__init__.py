@@ -18,6 +18,7 @@ import operator
 import random
 import re
 from fractions import Fraction
+from typing import Literal
 
 import verifiers.v1 as vf
 from pydantic import Field
@@ -117,8 +118,9 @@ class CalculatorData(vf.TaskData):
     """Model calls allowed (tool rounds included)."""
 
 
-def problem(rng: random.Random, digits: int) -> tuple[str, str, int]:
-    """One (word problem, expression, integer answer); operands have `digits` digits, counts 2-99."""
+def problem(rng: random.Random, digits: int, style: str = "word") -> tuple[str, str, int]:
+    """One (problem, expression, integer answer); operands have `digits` digits, counts 2-99. `style="plain"` asks
+    for the expression itself (`What is 45 + 12 * 67?`) instead of a word problem."""
     low, high = 10 ** (digits - 1), 10**digits - 1
 
     def big() -> int:
@@ -155,6 +157,8 @@ def problem(rng: random.Random, digits: int) -> tuple[str, str, int]:
         expression = f"{a} - {b} * {c}"
     value = safe_eval(expression)
     assert value.denominator == 1 and value > 0
+    if style == "plain":
+        text = f"What is {expression}?"
     return text, expression, int(value)
 
 
@@ -190,6 +194,9 @@ class CalculatorConfig(vf.TasksetConfig):
     """Digits of the big operands (counts such as trucks or teams are 2-99)."""
     max_turns: int = Field(3, ge=1)
     """Model calls per episode, tool rounds included."""
+    style: Literal["word", "plain"] = "word"
+    """`word`: word problems; `plain`: the expression itself (`What is 45 + 12 * 67?`), which a tiny model learns to
+    pass to the tool by copying (the tool-use demo, configs/calculator/)."""
     tools: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
     """Where the tool server runs (default: a local subprocess, one per environment worker)."""
 
@@ -197,7 +204,7 @@ class CalculatorConfig(vf.TasksetConfig):
 def generate(config: CalculatorConfig) -> list[tuple[str, str, int]]:
     """(problem, expression, answer) triples, deterministic in `config.seed`."""
     rng = random.Random(config.seed)
-    return [problem(rng, config.digits) for _ in range(config.num_tasks)]
+    return [problem(rng, config.digits, config.style) for _ in range(config.num_tasks)]
 
 
 class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorConfig]):

@@ -133,6 +133,14 @@ def test_generation_is_deterministic_and_consistent():
     assert all(d.max_turns == 2 and any(len(n) >= 5 for n in d.expression.split()) for d in (t.data for t in big))
 
 
+def test_plain_style_asks_the_same_expressions():
+    word = list(CalculatorTaskset(CalculatorConfig(num_tasks=20, seed=3, digits=2)))
+    plain = list(CalculatorTaskset(CalculatorConfig(num_tasks=20, seed=3, digits=2, style="plain")))
+    for w, p in zip(word, plain, strict=True):
+        assert (p.data.expression, p.data.answer) == (w.data.expression, w.data.answer)
+        assert p.data.prompt == f"What is {w.data.expression}?"
+
+
 def tool_call(expression: str, call_id: str = "call_1") -> dict:
     return {
         "id": call_id,
