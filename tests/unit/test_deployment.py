@@ -33,11 +33,14 @@ def rl_error(tmp_path, capsys, *flags: str, toml: str = INFERENCE) -> str:
     return capsys.readouterr().err
 
 
-def test_one_host_runs_torchrun_standalone(tmp_path):
+def test_one_host_runs_torchrun_standalone_or_one_plain_rank(tmp_path):
     config = rl_config(tmp_path, "--trainer-gpu-ids", "[0, 1]")
     cmd = trainer_command(config, tmp_path / "t.toml")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m"]
     assert host_tag(config) == ""
+    # One rank on one node: no rendezvous, so no torchrun agent; the rank builds its own one-process group.
+    single = trainer_command(rl_config(tmp_path, "--trainer-gpu-ids", "[0]"), tmp_path / "t.toml")
+    assert single[1:] == ["-u", "-m", "prime_rl.trainer.rl.train", "@", str(tmp_path / "t.toml")]
 
 
 def test_a_trainer_node_joins_node_zeros_rendezvous(tmp_path):

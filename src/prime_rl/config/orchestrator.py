@@ -307,8 +307,9 @@ class OrchestratorConfig(EntrypointConfig):
     seq_len: int = Field(2048, ge=1)
     """Longest sample the trainer accepts; longer rollouts are dropped and counted."""
 
-    workers: int = Field(2, ge=1)
-    """Rollout worker processes (verifiers costs ~20 ms of CPU per model turn, so one process tops out ~45 turns/s)."""
+    workers: int = Field(2, ge=0)
+    """Rollout worker processes (verifiers costs ~20 ms of CPU per model turn, so one process tops out ~45 turns/s);
+    0 runs the rollouts on the orchestrator's own event loop (one process less: for small machines)."""
 
     max_retries: int = Field(3, ge=0)
     """Times a group whose rollouts failed on the inference server (connection, 5xx) is retried."""

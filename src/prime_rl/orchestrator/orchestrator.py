@@ -33,7 +33,7 @@ from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.temperature import TemperatureController
-from prime_rl.orchestrator.worker import RolloutWorkers
+from prime_rl.orchestrator.worker import rollout_workers
 from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.fs import remove_steps_after
 from prime_rl.utils.locks import OutputDirLock
@@ -242,7 +242,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     output_dir = config.output_dir
     lock = OutputDirLock(output_dir, "orchestrator")  # one orchestrator per output dir, for our whole life
     config.model.renderer_config()  # a bad renderer fails here, before any server or worker is touched
-    workers = RolloutWorkers(config, output_dir / "logs", config.log.level)
+    workers = rollout_workers(config, output_dir / "logs", config.log.level)
     workers.launch()
     lag_task = servers = monitor = None
     exit_code = 1
@@ -300,7 +300,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             seconds = await servers.load_policy(progress.step)
             logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
         await workers.ready()
-        logger.info(f"{config.workers} rollout worker(s) ready")
+        logger.info(f"{config.workers} rollout worker(s) ready" if config.workers else "rollouts run in this process")
         scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers, temperatures)
         while max_steps is None or progress.step < max_steps:
             step = progress.step + 1

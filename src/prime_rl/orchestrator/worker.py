@@ -9,7 +9,7 @@ cross the process boundary (ZeroMQ DEALER -> the orchestrator's ROUTER). Each wo
 library patches of `patches` (capture of vLLM's per-token weight versions; in adapter mode they are not used).
 
 This module holds both ends of that socket: the worker process (`Worker`, which eval also runs in its own process)
-and the orchestrator's side (`RolloutWorkers`).
+and the orchestrator's side (`RolloutWorkers`, or `InProcessWorker` for `workers = 0`).
 """
 
 from __future__ import annotations
@@ -137,11 +137,35 @@ class Worker:
         return GroupDone(id=request.id, rollouts=[r for g in groups for r in g], loop_lag=lag)
 
 
+@contextlib.asynccontextmanager
+async def serving(worker: Worker):
+    """A worker's environments served (their interception and tool servers) and its renderer built, on the running
+    loop; on exit the servers are stopped and the loop's HTTP pools closed."""
+    from prime_chat import close_shared_client
+
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(close_shared_client)  # prime-chat's HTTP pool lives on this loop
+        stack.push_async_callback(close_pooled_clients)  # and the server clients' pools
+        for env in worker.envs.values():
+            await stack.enter_async_context(env.serving())
+        await worker.warm_renderers()
+        yield worker
+
+
+def install_worker_patches(level: str) -> None:
+    """What every process that runs rollouts sets up once: quiet per-request loggers and the library patches."""
+    # verifiers logs every rollout and its interception server (aiohttp) every request: file only, and only when
+    # debugging (an access line per model turn also cost ~3% of a worker's CPU).
+    for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    install_version_capture()
+    cache_default_factory_signatures()
+    pool_http_clients_on_aiohttp()
+
+
 async def _serve(config, index: int, address: str) -> None:
     import zmq
     import zmq.asyncio
-
-    from prime_chat import close_shared_client
 
     context = zmq.asyncio.Context()
     socket = context.socket(zmq.DEALER)
@@ -155,12 +179,7 @@ async def _serve(config, index: int, address: str) -> None:
         await asyncio.sleep(0.5)  # let zmq flush before the process exits
         raise SystemExit(1) from None
     parent = os.getppid()
-    async with contextlib.AsyncExitStack() as stack:
-        stack.push_async_callback(close_shared_client)  # prime-chat's HTTP pool lives on this loop
-        stack.push_async_callback(close_pooled_clients)  # and the server clients' pools
-        for env in worker.envs.values():
-            await stack.enter_async_context(env.serving())
-        await worker.warm_renderers()
+    async with serving(worker):
         worker.loop_lag = LoopLagMonitor()
         background = {asyncio.create_task(worker.loop_lag.run())}
 
@@ -195,13 +214,7 @@ def worker_main(config_json: str, index: int, address: str, log_dir: str | None,
 
     config = OrchestratorConfig.model_validate_json(config_json)
     setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
-    # verifiers logs every rollout and its interception server (aiohttp) every request: file only, and only when
-    # debugging (an access line per model turn also cost ~3% of a worker's CPU).
-    for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
-        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
-    install_version_capture()
-    cache_default_factory_signatures()
-    pool_http_clients_on_aiohttp()
+    install_worker_patches(level)
     try:
         asyncio.run(_serve(config, index, address))
     except KeyboardInterrupt:
@@ -305,3 +318,61 @@ class RolloutWorkers:
                 process.join(1.0)
         self.socket.close()
         self.context.term()
+
+
+class InProcessWorker:
+    """`workers = 0`: the rollouts run on the orchestrator's own event loop, behind `RolloutWorkers`' interface. No
+    process to spawn: on a small machine that saves a Python process that imports verifiers and torch (~0.6 GiB PSS
+    on the 2-core machine) and the seconds of CPU it takes to start; the orchestrator's own work per step is small
+    next to the rollouts'. Past one core's worth of rollouts (~45 turns/s), use worker processes."""
+
+    def __init__(self, config, level: str):
+        self.config, self.level = config, level
+        self.stack = contextlib.AsyncExitStack()
+        self.worker: Worker | None = None
+        self.finished: asyncio.Queue[GroupDone] = asyncio.Queue()
+        self.running: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None
+
+    def launch(self) -> None:
+        """Nothing to spawn: the environments load in `ready`."""
+
+    async def ready(self) -> None:
+        install_worker_patches(self.level)
+        self.worker = Worker(self.config, 0, training=True)
+        # Entered (and so exited, in `close`) in the orchestrator's task: the servers' task groups need that.
+        await self.stack.enter_async_context(serving(self.worker))
+
+    async def submit(self, request: RunGroup) -> None:
+        task = asyncio.create_task(self.worker.run_group(request))
+        self.running.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # run_group catches each rollout's errors: this is a bug, end the run
+            self.failure = task.exception()
+            return
+        self.finished.put_nowait(task.result())
+
+    async def receive(self, timeout: float) -> GroupDone | None:
+        """The next finished group, or None after `timeout` seconds."""
+        if self.failure is not None:
+            raise RuntimeError(f"rollouts failed: {type(self.failure).__name__}: {self.failure}")
+        try:
+            return await asyncio.wait_for(self.finished.get(), timeout)
+        except TimeoutError:
+            return None
+
+    async def close(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
+        await self.stack.aclose()
+
+
+def rollout_workers(config, log_dir: Path | None, level: str) -> RolloutWorkers | InProcessWorker:
+    """Worker processes, or with `workers = 0` the orchestrator's own loop."""
+    return RolloutWorkers(config, log_dir, level) if config.workers > 0 else InProcessWorker(config, level)

@@ -1,8 +1,9 @@
 """Preflight: everything that can be wrong is found before any process starts.
 
-A missing model directory, a bad environment, an output dir another run still writes to, a run secret that is
-missing or malformed: each ends `rl` with one line and exit code 2 (`fail`, like a config error), before vLLM
-spends a minute or two starting and before three processes each print their own traceback.
+A missing model directory, an output dir another run still writes to, a run secret that is missing or malformed, and
+(when `rl` starts no server of its own) a bad environment: each ends `rl` with one line and exit code 2 (`fail`, like
+a config error), before any process starts and each prints its own traceback. With a server to start, `rl` starts it
+first and leaves the environments to the orchestrator, which loads them first thing.
 """
 
 from __future__ import annotations

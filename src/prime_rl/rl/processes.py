@@ -2,7 +2,8 @@
 
 Each process gets its section of `RLConfig` as a TOML file under `output_dir/configs/rl<tag>/`, so it can be
 rerun by hand with the exact config `rl` gave it; secrets go by environment only (a file would hold them masked).
-The trainer runs under `torchrun` on its own GPUs; with `[[runs]]` there is one orchestrator per run.
+The trainer runs under `torchrun` on its own GPUs (one rank on one node: a plain process); with `[[runs]]` there is one
+orchestrator per run.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ def write_section(config, path: Path) -> Path:
 
 
 def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
-    """torchrun on this host's GPUs: standalone on one node, else a static rendezvous at node 0."""
+    """torchrun on this host's GPUs: standalone on one node, else a static rendezvous at node 0. One rank on one
+    node needs no rendezvous: the trainer runs as a plain process (its own one-process group), without a torchrun
+    agent that would import torch only to wait on it (~320 MiB PSS and a second of CPU at start on the 2-core
+    machine); `rl` stops it like any other process."""
     deploy = config.deployment
+    module = ["-m", "prime_rl.trainer.rl.train", "@", str(trainer_cfg)]
+    if deploy.trainer_nodes == 1 and len(config.trainer_gpu_ids) == 1:
+        return [sys.executable, "-u", *module]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={len(config.trainer_gpu_ids)}"]
     if deploy.trainer_nodes == 1:
         cmd.append("--standalone")
@@ -39,7 +46,7 @@ def trainer_command(config: RLConfig, trainer_cfg: Path) -> list[str]:
             f"--master-addr={deploy.master_addr}",
             f"--master-port={deploy.master_port}",
         ]
-    return cmd + ["-m", "prime_rl.trainer.rl.train", "@", str(trainer_cfg)]
+    return cmd + module
 
 
 def threads_each(cpus: int, processes: int) -> int:

@@ -1,6 +1,6 @@
 """Start this host's processes and supervise them as one run.
 
-Inference first (`rl` starts it before its slower preflight checks), then the orchestrator(s) and the trainer at
+Inference first (`rl` starts it before the rest of its preflight checks), then the orchestrator(s) and the trainer at
 once, so their imports overlap vLLM's start instead of following it; the orchestrator waits for the servers. Every
 process runs in its own process group; when one fails, or on Ctrl-C, all are stopped (SIGTERM, then SIGKILL after
 `stop_grace`) and `rl` exits non-zero naming the process, its exit code and the end of its output. Meanwhile the
