@@ -157,6 +157,11 @@ def check_offline_wandb_runs(out: Path, steps: int) -> None:
     assert logged == list(range(1, steps + 1))
 
 
+def is_rank(cmdline: list[str]) -> bool:
+    """A training rank's process (not the torchrun agent that may have started it)."""
+    return "prime_rl.trainer.rl.train" in cmdline and "torch.distributed.run" not in cmdline
+
+
 def run_pids(rl: psutil.Process) -> list[psutil.Process]:
     return [rl, *rl.children(recursive=True)]
 
@@ -165,8 +170,8 @@ def run_pids(rl: psutil.Process) -> list[psutil.Process]:
 @pytest.mark.parametrize("victim", ["trainer-rank", "orchestrator"])
 def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     """kill -9 one process mid-run: rl exits non-zero within 30 s naming it, and nothing of the run survives.
-    `trainer-rank` is a training rank, as the OOM killer would pick it (torchrun's agent then exits and rl sees the
-    trainer fail). The torchrun agent's own death (its ranks must die with it) is the trainer's test, the inference
+    `trainer-rank` is a training rank, as the OOM killer would pick it (here the one rank, which runs without a torchrun
+    agent; with several, the agent exits and rl sees the trainer fail). The torchrun agent's own death (its ranks must die with it) is the trainer's test, the inference
     server's the multi-host test's (an inference host's rl exits the same way)."""
     srv = tied_server
     out = srv.root / "rl" / f"kill_{victim}"
@@ -191,10 +196,9 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
             assert stale.exists() and proc.poll() is None
         name = victim.removesuffix("-rank")
         target = psutil.Process(started_pid(log, name))
-        if victim == "trainer-rank":
-            target = next(
-                p for p in target.children(recursive=True) if "prime_rl.trainer.rl.train" in " ".join(p.cmdline())
-            )
+        if victim == "trainer-rank":  # one rank runs as rl's child itself; several run under a torchrun agent
+            ranks = [p for p in [target, *target.children(recursive=True)] if is_rank(p.cmdline())]
+            target = ranks[0]
         killed_at = time.monotonic()
         target.kill()
         code = proc.wait(60)
