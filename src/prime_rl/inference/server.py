@@ -15,6 +15,7 @@ from prime_rl.config.loader import ConfigError, load_config, write_resolved_conf
 from prime_rl.inference import cpu_engine
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.utils.net import port_in_use
+from prime_rl.utils.processes import exit_when_orphaned
 from prime_rl.utils.secret import SecretError
 
 PLUGIN_NAME = "prime_rl"
@@ -85,6 +86,7 @@ def _size_kv_cache(config: InferenceConfig, args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
+    exit_when_orphaned()
     cpu = cpu_engine.is_cpu_build()
     if cpu:
         # Read by OpenMP when torch loads, so before the first vLLM import; a forked engine inherits it.

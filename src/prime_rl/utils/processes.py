@@ -20,6 +20,32 @@ def die_with_parent() -> None:
         pass
 
 
+LAUNCHER_VAR = "PRIME_RL_LAUNCHER_PID"
+"""Set in every `Process`'s environment: the pid of the launcher it must not outlive (`exit_when_orphaned`)."""
+
+ORPHAN_GRACE = 30.0
+"""Seconds a child whose launcher died may spend on its own shutdown before it exits by force."""
+
+
+def exit_when_orphaned() -> None:
+    """For a process a launcher started: once the launcher is gone, exit by force after `ORPHAN_GRACE` seconds. The
+    parent-death signal is one SIGTERM, and a graceful shutdown can wait forever (vLLM's HTTP server waited 35 min
+    on connections from a torn-down network namespace); nothing sends the SIGKILL that `stop_all` would. A process
+    started by hand (no `LAUNCHER_VAR`, or another parent) is left alone."""
+    launcher = os.environ.get(LAUNCHER_VAR)
+    if launcher is None or str(os.getppid()) != launcher:
+        return
+    import threading
+
+    def watch() -> None:
+        while str(os.getppid()) == launcher:
+            time.sleep(1.0)
+        time.sleep(ORPHAN_GRACE)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
+
+
 class Process:
     """A command in its own process group (so stopping it stops everything it started), writing its console to
     `output`, that receives SIGTERM if the process that started it dies."""
@@ -38,7 +64,7 @@ class Process:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, LAUNCHER_VAR: str(os.getpid())},
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
