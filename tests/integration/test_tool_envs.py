@@ -5,8 +5,8 @@ from its tokens, the harness runs them against the servers and the results go ba
 The random tiny model writes no tool call on its own, so each seat's sampling carries a vLLM structured-output regex
 (a Qwen3 `<tool_call>` with a given name and arguments) and `allowed_token_ids` without the byte tokens that spell
 `<`, so `<tool_call>` can only be its special token, which Qwen3's parser looks for. The tokens are still sampled
-by the model on the server and parsed client-side. The tools are stated by `compact_tools_renderer` (Qwen3's
-renderer with a one-line tool list: the server's 512-token context does not hold Qwen3's tools block).
+by the model on the server and parsed client-side. The tools are stated by `prime_rl.models.renderers`' compact
+renderer (Qwen3's with a one-line tool list: the server's 512-token context does not hold Qwen3's tools block).
 """
 
 import json
@@ -26,13 +26,16 @@ pytestmark = pytest.mark.slow
 HERE = str(Path(__file__).resolve().parent)
 EVAL = str(Path(sys.executable).parent / "eval")
 KEY_VAR = "PRIME_TEST_API_KEY"
-RENDERER = {"name": "custom", "import_path": "compact_tools_renderer.CompactToolsQwen3Renderer"}
-RENDERER["enable_thinking"] = False
+RENDERER = {
+    "name": "custom",
+    "import_path": "prime_rl.models.renderers.CompactToolsQwen3Renderer",
+    "enable_thinking": False,
+}
 
 
 @pytest.fixture
 def tools_env_path(monkeypatch):
-    """`vf_tools_env` and the renderer importable by eval/rl and by the tool servers verifiers starts."""
+    """`vf_tools_env` importable by eval/rl and by the tool servers verifiers starts."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
 
 

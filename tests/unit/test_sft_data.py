@@ -271,3 +271,77 @@ def test_fake_samples_are_a_function_of_seed_and_step():
     lengths = [len(s.token_ids) for s in variable]
     assert min(lengths) >= 8 and max(lengths) <= 64 and len(set(lengths)) > 4  # uniform in [seq_len / 8, seq_len]
     assert all(s.loss_mask == [False] + [True] * (len(s.token_ids) - 1) for s in variable)
+
+
+# --- rendering with the renderer RL samples with -------------------------------------------------------------------
+
+COMPACT = {"name": "custom", "import_path": "prime_rl.models.renderers.CompactToolsQwen3Renderer"}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"properties": {"key": {}}}}}]
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {"key": "PZBH"}}}
+TOOL_CHAT = {
+    "prompt": [{"role": "system", "content": "find the code."}, {"role": "user", "content": "code of PZBH?"}],
+    "completion": [
+        {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1942"},
+        {"role": "assistant", "content": "1942"},
+    ],
+    "tools": TOOLS,
+}
+
+
+def renderer_for(tokenizer, config: dict):
+    from renderers import create_renderer
+
+    from prime_rl.config.orchestrator import renderer_config
+
+    return create_renderer(tokenizer, renderer_config(config, "data.renderer"))
+
+
+@pytest.mark.parametrize("config", [{"name": "qwen3"}, COMPACT])
+def test_rendered_tool_chat_is_one_sample_that_trains_what_the_model_samples(tokenizers, config):
+    from prime_rl.trainer.sft.data import tokenize_rendered
+
+    tok = tokenizers["qwen3"]
+    renderer = renderer_for(tok, {**config, "enable_thinking": False})
+    ids, mask = tokenize_rendered(renderer, TOOL_CHAT, LossMaskConfig(), "ex")
+    assert ids == list(renderer.render(TOOL_CHAT["prompt"] + TOOL_CHAT["completion"], tools=TOOLS).token_ids)
+    think = "<think>\n\n</think>\n\n"  # Qwen3's renderer counts the empty think block as the model's own
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "PZBH"}}\n</tool_call><|im_end|>'
+    assert trained_spans(tok, ids, mask) == [think + call, think + "1942<|im_end|>"]
+    text = tok.decode(ids)
+    assert ("Tools: lookup(key)" in text) == (config == COMPACT) and ("# Tools" in text) != (config == COMPACT)
+    # Qwen3's chat template drops the first turn's think block once the answer follows, and so needs a sample per
+    # turn; the renderer keeps it, as RL's bridging keeps the sampled tokens: one sample holds both turns.
+    assert len(tokenize_example(tok, TOOL_CHAT, LossMaskConfig(), "ex")) == 2
+
+    # Tool results train when asked for, whole (the renderer never marks them as sampled).
+    _, with_tool = tokenize_rendered(renderer, TOOL_CHAT, LossMaskConfig(tool=True), "ex")
+    assert any("<tool_response>\n1942\n</tool_response>" in span for span in trained_spans(tok, ids, with_tool))
+
+
+def test_rendered_sample_is_the_token_sequence_rl_samples_and_bridges(tokenizers):
+    """Each turn's context in the SFT sample is exactly what RL's renderer gives the model at that turn: the prompt
+    with its generation prompt, the tokens sampled before, and the bridge to the next turn."""
+    from prime_rl.trainer.sft.data import tokenize_rendered
+
+    tok = tokenizers["qwen3"]
+    renderer = renderer_for(tok, {**COMPACT, "enable_thinking": False})
+    ids, mask = tokenize_rendered(renderer, TOOL_CHAT, LossMaskConfig(), "ex")
+    prompt = list(renderer.render(TOOL_CHAT["prompt"], tools=TOOLS, add_generation_prompt=True).token_ids)
+    first = tok.encode('<tool_call>\n{"name": "lookup", "arguments": {"key": "PZBH"}}\n</tool_call><|im_end|>')
+    assert ids[: len(prompt) + len(first)] == prompt + first
+    bridged = renderer.bridge_to_next_turn(prompt, first, [TOOL_CHAT["completion"][1]], tools=TOOLS)
+    second = tok.encode("1942<|im_end|>")
+    assert ids[: len(bridged.token_ids) + len(second)] == list(bridged.token_ids) + second
+    assert mask[len(bridged.token_ids) : len(bridged.token_ids) + len(second)] == [True] * len(second)
+
+
+def test_stream_renders_with_the_configured_renderer_and_bad_configs_fail_clearly(tokenizers):
+    tok = tokenizers["qwen3"]
+    config = ChatDataConfig(name="x", renderer={**COMPACT, "enable_thinking": False})
+    stream = ChatStream([TOOL_CHAT, TOOL_CHAT], tok, config, seq_len=512, seed=0)
+    samples, ids = stream.take(2)
+    assert ids in ([0, 1], [1, 0]) and len(samples) == 2  # one sample per conversation
+    assert "Tools: lookup(key)" in tok.decode(samples[0].token_ids)
+    with pytest.raises(ValueError, match="data.renderer .* is not a valid renderers config"):
+        ChatStream([TOOL_CHAT], tok, ChatDataConfig(name="x", renderer={"name": "no-such"}), seq_len=512, seed=0)

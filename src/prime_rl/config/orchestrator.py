@@ -101,6 +101,21 @@ class ClientConfig(BaseConfig):
         return [u.rstrip("/") for u in urls]
 
 
+def renderer_config(renderer: dict[str, Any] | None, key: str):
+    """`renderer` (a `renderers` config as a dict, set at `key`) as a `renderers.RendererConfig`, None for None.
+    Validated on use, not at config load: importing `renderers` costs seconds (openai SDK), which `rl --dry-run`
+    and config errors should not pay."""
+    if renderer is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+    from renderers import RendererConfig
+
+    try:
+        return TypeAdapter(RendererConfig).validate_python(renderer)
+    except ValidationError as e:
+        raise ValueError(f"{key} {renderer} is not a valid renderers config: {e}") from None
+
+
 class ClientModelConfig(ServedModelConfig):
     """The model as a client of the inference servers sees it: `name` is where the client-side renderer loads its
     tokenizer from (the path or hub id the servers loaded), `served_name` what requests ask for."""
@@ -110,17 +125,8 @@ class ClientModelConfig(ServedModelConfig):
     Multi-turn training wants a model-specific renderer that bridges turns, so sampled tokens are never re-tokenized."""
 
     def renderer_config(self):
-        """The `renderers.RendererConfig` (None: auto). Validated here, not at config load: importing `renderers`
-        costs seconds (openai SDK), which `rl --dry-run` and config errors should not pay."""
-        if self.renderer is None:
-            return None
-        from pydantic import TypeAdapter, ValidationError
-        from renderers import RendererConfig
-
-        try:
-            return TypeAdapter(RendererConfig).validate_python(self.renderer)
-        except ValidationError as e:
-            raise ValueError(f"model.renderer {self.renderer} is not a valid renderers config: {e}") from None
+        """The `renderers.RendererConfig` (None: auto)."""
+        return renderer_config(self.renderer, "model.renderer")
 
 
 class EnvSpec(BaseConfig):

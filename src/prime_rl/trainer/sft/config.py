@@ -1,6 +1,6 @@
 """Config of the `sft` entry point (supervised fine-tuning on chat data)."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,11 @@ class ChatDataConfig(BaseConfig):
 
     loss_mask: LossMaskConfig = LossMaskConfig()
     """Which roles' tokens are trained on; template scaffolding that opens an assistant turn never is."""
+
+    renderer: dict[str, Any] | None = None
+    """Render with this `renderers` config (as `model.renderer` in rl/eval, e.g. `{name = "qwen3", enable_thinking =
+    false}`) instead of the chat template: SFT then trains on exactly the tokens RL samples and bridges to, and only
+    on the assistant tokens the model itself would sample."""
 
 
 class FakeDataConfig(BaseConfig):

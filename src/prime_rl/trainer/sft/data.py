@@ -9,6 +9,7 @@ model only learns what it would have to generate itself, up to and including its
 Working on characters and tokenizing the whole text once (with offsets) keeps the ids exactly those of
 `apply_chat_template`, even where BPE merges tokens across a span boundary. Templates that re-render earlier
 turns once later ones follow (Qwen3's) get one sample per trained message instead, see `tokenize_example`.
+With `data.renderer` set, the renderer RL samples with renders the conversation instead (`tokenize_rendered`).
 """
 
 from __future__ import annotations
@@ -227,6 +228,33 @@ def tokenize_example(tokenizer, example: dict, roles: LossMaskConfig, name: str)
     return samples
 
 
+def tokenize_rendered(renderer, example: dict, roles: LossMaskConfig, name: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the conversation as `renderer` renders it and, per token, whether it is trained on.
+
+    One sample for any number of turns: the renderer renders earlier turns exactly as RL's bridging leaves them
+    (the sampled tokens), so every turn's context is the one it is sampled in. Per token the renderer says which
+    message it belongs to and whether the model would sample it: an assistant message trains only its sampled
+    tokens (not the `<|im_start|>assistant` that opens the turn); other trained roles train all their tokens.
+    """
+    messages, tools = _messages_and_tools(example, name)
+    try:
+        rendered = renderer.render(messages, tools=tools)
+    except Exception as e:  # a renderer refuses what it cannot render with assorted exception types
+        raise DataError(f"{name}: the renderer failed: {type(e).__name__}: {e}") from None
+    if len(rendered.sampled_mask) != len(rendered.token_ids):
+        raise DataError(
+            f"{name}: renderer {type(renderer).__name__} does not say which tokens the model samples; "
+            "leave data.renderer unset to render with the chat template"
+        )
+    mask = []
+    for index, sampled in zip(rendered.message_indices, rendered.sampled_mask, strict=True):
+        role = messages[index]["role"] if index >= 0 else None
+        mask.append(bool(role and getattr(roles, role) and (sampled or role != "assistant")))
+    if mask:
+        mask[0] = False
+    return list(rendered.token_ids), mask
+
+
 def sft_sample(token_ids: list[int], loss_mask: list[bool]) -> TrainingSample:
     """A packable sample: the RL-only per-token fields are zeros."""
     n = len(token_ids)
@@ -266,9 +294,16 @@ class ChatStream:
     """
 
     def __init__(self, examples: Sequence[dict], tokenizer, config: ChatDataConfig, seq_len: int, seed: int):
-        if not getattr(tokenizer, "is_fast", False):
+        self.renderer = None
+        if config.renderer is not None:
+            from renderers import create_renderer
+
+            from prime_rl.config.orchestrator import renderer_config
+
+            self.renderer = create_renderer(tokenizer, renderer_config(config.renderer, "data.renderer"))
+        elif not getattr(tokenizer, "is_fast", False):
             raise DataError("sft needs a fast tokenizer (character offsets of tokens build the loss mask)")
-        if not tokenizer.chat_template:
+        elif not tokenizer.chat_template:
             raise DataError("the model's tokenizer has no chat template to render the conversations with")
         self.examples, self.tokenizer, self.config = examples, tokenizer, config
         self.seq_len, self.seed = seq_len, seed
@@ -294,7 +329,11 @@ class ChatStream:
         while len(ids) < count:
             example_id = self._next_id()
             name = f"example {example_id} of {self.config.name}"
-            pieces = tokenize_example(self.tokenizer, self.examples[example_id], self.config.loss_mask, name)
+            example, roles = self.examples[example_id], self.config.loss_mask
+            if self.renderer is not None:
+                pieces = [tokenize_rendered(self.renderer, example, roles, name)]
+            else:
+                pieces = tokenize_example(self.tokenizer, example, roles, name)
             too_long = any(len(token_ids) > self.seq_len for token_ids, _ in pieces)
             if too_long or not any(any(loss_mask) for _, loss_mask in pieces):
                 if too_long:

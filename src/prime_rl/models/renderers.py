@@ -1,12 +1,17 @@
-"""Qwen3's renderer with the tool list cut to one line, for tool tests on the shared test server.
+"""Renderers for the tiny models: Qwen3's, with the tool list stated in one line.
 
-The shared server's context is 512 tokens. Qwen3's own tools block (a ~290-token preamble plus each tool's JSON
-schema, ~120 tokens for a tool without arguments, with the tiny tokenizer) leaves no room for a tool call and its
-result. This renderer states the tools as one line appended to the system message (`Tools: t_bump(), t_add(a, b)`)
-and is Qwen3's renderer in every other respect: the same ChatML, the same tool calls as JSON in `<tool_call>`
-tokens parsed by Qwen3's parser, tool results as `<tool_response>` user turns, the same bridging between turns.
-Use with `model.renderer = {name = "custom", import_path = "compact_tools_renderer.CompactToolsQwen3Renderer",
-enable_thinking = false}`; tasks need a system prompt (the line joins it, so message indices are unchanged).
+Qwen3's tools block is a ~290-token preamble plus each tool's JSON schema (~570 tokens for one tool with one
+argument, with the tiny byte-level tokenizer): most of a tool-using conversation, and more context than a 2-layer
+model learns to look across. `CompactToolsQwen3Renderer` appends one line to the system message instead
+(`Tools: lookup(key)`) and is Qwen3's renderer in every other respect: the same ChatML, tool calls as JSON in
+`<tool_call>` tokens (parsed by Qwen3's parser), tool results as `<tool_response>` user turns, the same bridging
+between turns. A model trained with it must be trained and sampled with it: SFT renders through it with
+`[data] renderer = ...`, RL and eval with `model.renderer = ...`, both
+
+    {name = "custom", import_path = "prime_rl.models.renderers.CompactToolsQwen3Renderer", enable_thinking = false}
+
+The chat template of such a model still states tools the long way; tasks need a system prompt (the line joins it,
+so message indices are unchanged).
 """
 
 from renderers.configs import Qwen3RendererConfig
@@ -14,6 +19,7 @@ from renderers.qwen3 import Qwen3Renderer
 
 
 def tools_line(tools: list[dict]) -> str:
+    """`Tools: name(arg, ...), ...` from OpenAI function specs (or bare function dicts)."""
     names = []
     for tool in tools:
         function = tool.get("function") or tool
