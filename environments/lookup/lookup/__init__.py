@@ -13,8 +13,10 @@ per environment worker (`Taskset.toolsets`), shared by its rollouts, stateless. 
 MCP-capable harness plays it (prime-rl's in-process `prime-chat`, verifiers' `null` or `bash`); a `@vf.stop` ends
 the episode after `max_turns` model calls.
 
-Reward `correct`: the last assistant message made no tool call and, stripped, is the code. Metrics: `tool_calls`,
-`tool_errors`.
+Reward `matched`: the share of the code's digits the final answer (the last assistant message, if it made no tool
+call, stripped) has in their places, over the longer of the two: 1.0 for the code itself, 0.75 with one digit
+wrong, ~0.1 for a guess. Partial credit, like reverse-text's, gives RL a gradient on a copy that is nearly right.
+Metrics: `correct` (the answer is the code), `tool_calls`, `tool_errors`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def random_key(rng: random.Random) -> str:
     return "#" + "".join(rng.sample(KEY_LETTERS, KEY_LENGTH))
 
 
+def matched(reply: str | None, code: str) -> float:
+    """Digits of `code` that `reply` has in the same place, over the longer length (0.0 without a reply)."""
+    if not reply:
+        return 0.0
+    return sum(a == b for a, b in zip(reply, code, strict=False)) / max(len(reply), len(code))  # the shorter one
+
+
 def final_reply(trace: vf.Trace) -> str | None:
     """The model's last message, stripped, if it is a final answer (made no tool call)."""
     replies = trace.assistant_messages
@@ -83,6 +92,10 @@ class LookupTask(vf.Task[LookupData]):
         return trace.num_turns >= self.data.max_turns
 
     @vf.reward
+    async def matched(self, trace: vf.Trace) -> float:
+        return matched(final_reply(trace), self.data.code)
+
+    @vf.metric
     async def correct(self, trace: vf.Trace) -> float:
         return float(final_reply(trace) == self.data.code)
 

@@ -12,6 +12,7 @@ from lookup import (
     code_of,
     is_key,
     lookup,
+    matched,
 )
 
 from prime_chat import close_shared_client
@@ -35,6 +36,15 @@ def test_lookup_refuses_what_is_not_a_key():
         assert not is_key(bad)
         assert lookup(bad).startswith("Error: no key")
     assert len(lookup("X" * 10_000)) < 120  # the echo is bounded
+
+
+def test_matched_counts_digits_in_place_over_the_longer_length():
+    assert matched("1259", "1259") == 1.0
+    assert matched("1289", "1259") == 0.75
+    assert matched("2591", "1259") == 0.0  # right digits, each one place off
+    assert matched("1259 maybe", "1259") == 0.4
+    assert matched("125", "1259") == 0.75
+    assert matched("", "1259") == matched(None, "1259") == 0.0
 
 
 def test_generation_is_deterministic_and_uses_only_key_letters():
@@ -105,7 +115,7 @@ def test_episodes_through_the_mcp_tool(monkeypatch):
     assert len(requests) == 2 + 1 + 2 + 2 + 3
 
     right = traces["#BCDG"]
-    assert right.reward == 1.0 and right.metrics == {"tool_calls": 1.0, "tool_errors": 0.0}
+    assert right.reward == 1.0 and right.metrics == {"correct": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
     assert [m.role for m in right.messages] == ["system", "user", "assistant", "tool", "assistant"]
     (result,) = right.tool_messages
     assert (result.tool_call_id, result.content) == ("call_1", "1259")
@@ -113,10 +123,14 @@ def test_episodes_through_the_mcp_tool(monkeypatch):
         (tool,) = request["tools"]
         assert tool["function"]["name"] == "lookup" and tool["function"]["parameters"]["required"] == ["key"]
 
-    assert (traces["#PZBH"].reward, traces["#PZBH"].metrics) == (0.0, {"tool_calls": 0.0, "tool_errors": 0.0})
-    assert (traces["#RQPH"].reward, traces["#RQPH"].metrics) == (0.0, {"tool_calls": 1.0, "tool_errors": 0.0})
-    assert (traces["#QVGJ"].reward, traces["#QVGJ"].metrics) == (0.0, {"tool_calls": 1.0, "tool_errors": 1.0})
-    assert traces["#QVGJ"].tool_messages[0].content.startswith("Error: no key 'qvgj'")
+    # partial credit for the digits in place: a guess, the wrong key's code, the right code with words after it
+    guess, wrong_key, wordy = traces["#PZBH"], traces["#RQPH"], traces["#QVGJ"]
+    assert guess.reward == matched("1234", code_of("#PZBH")) < 1.0
+    assert guess.metrics == {"correct": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
+    assert wrong_key.reward == matched(code_of("#RQPD"), code_of("#RQPH")) < 1.0
+    assert wrong_key.metrics == {"correct": 0.0, "tool_calls": 1.0, "tool_errors": 0.0}
+    assert (wordy.reward, wordy.metrics) == (0.4, {"correct": 0.0, "tool_calls": 1.0, "tool_errors": 1.0})
+    assert wordy.tool_messages[0].content.startswith("Error: no key 'qvgj'")
     out_of_turns = traces["#DGHJ"]
     assert out_of_turns.stop_condition == "out_of_turns" and out_of_turns.num_turns == 3
     assert out_of_turns.reward == 0.0  # its last message is a tool call, not a final answer
