@@ -75,7 +75,11 @@ def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:
     extra += ["--weight-broadcast.type", "gloo", "--weight-broadcast.port", str(broadcast_port)]
     extra += ["--weight-broadcast.timeout", "60"]
     srv = InferenceServer(
-        base, root / "out", extra=extra + ["--max-num-seqs", "48", "--max-logprobs", "8"], api_key=API_KEY, env={SECRET_VAR: RUN_SECRET}
+        base,
+        root / "out",
+        extra=extra + ["--max-num-seqs", "48", "--max-logprobs", "8"],
+        api_key=API_KEY,
+        env={SECRET_VAR: RUN_SECRET},
     )
     try:
         srv.wait_healthy()
