@@ -43,6 +43,7 @@ from prime_rl.orchestrator.patches import (
 )
 from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.loop_lag import LoopLagMonitor
+from prime_rl.utils.processes import exit_when_parent_changes
 
 # ---------------------------------------------------------------------------------------------------------
 # The worker process.
@@ -186,12 +187,7 @@ async def _serve(config, index: int, address: str) -> None:
         async def run_and_reply(request: RunGroup) -> None:
             await socket.send(encoder.encode(await worker.run_group(request)))
 
-        async def watch_parent() -> None:
-            while os.getppid() == parent:  # orphaned (orchestrator killed): exit instead of lingering
-                await asyncio.sleep(1.0)
-            os._exit(1)
-
-        background.add(asyncio.create_task(watch_parent()))
+        exit_when_parent_changes(parent)  # orphaned (orchestrator killed): exit instead of lingering
         await socket.send(encoder.encode(Ready(worker=index)))
         running: set[asyncio.Task] = set()
         while True:

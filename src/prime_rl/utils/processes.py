@@ -35,15 +35,21 @@ def exit_when_orphaned() -> None:
     launcher = os.environ.get(LAUNCHER_VAR)
     if launcher is None or str(os.getppid()) != launcher:
         return
+    exit_when_parent_changes(int(launcher), ORPHAN_GRACE)
+
+
+def exit_when_parent_changes(parent: int, grace: float = 0.0) -> None:
+    """Exit by force `grace` seconds after this process's parent is no longer `parent` (it died and we were
+    re-parented). Polls once a second on a daemon thread, so a busy event loop cannot delay it."""
     import threading
 
     def watch() -> None:
-        while str(os.getppid()) == launcher:
+        while os.getppid() == parent:
             time.sleep(1.0)
-        time.sleep(ORPHAN_GRACE)
+        time.sleep(grace)
         os._exit(1)
 
-    threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
+    threading.Thread(target=watch, name="exit-when-parent-changes", daemon=True).start()
 
 
 class Process:
