@@ -118,4 +118,19 @@ async def run_episodes(
     return episodes, server.requests
 
 
+async def run_prime_chat_episodes(
+    taskset: dict, script: Script, tasks, *, api_key_var: str
+) -> tuple[list[vf.Episode], list[dict]]:
+    """`run_episodes` for a taskset (`{"id": ..., **args}`) played by prime-rl's in-process `prime-chat` harness (what
+    prime-rl gives a taskset without a harness; it runs tool calls against the taskset's MCP servers). prime-chat's
+    HTTP pools live on the running loop, so they are closed here before it ends."""
+    from prime_chat import close_shared_client
+
+    agent = {"runtime": {"type": "subprocess"}, "harness": {"id": "prime-chat"}}
+    try:
+        return await run_episodes({"taskset": taskset, "agent": agent}, script, tasks, api_key_var=api_key_var)
+    finally:
+        await close_shared_client()
+
+
 __all__ = ["OneCallChatHarness"]

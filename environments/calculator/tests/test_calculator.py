@@ -17,8 +17,6 @@ from calculator import (
     safe_eval,
 )
 
-from prime_chat import close_shared_client
-
 # verifiers keeps some asyncio state bound to the loop that first used it: one loop for this module.
 LOOP = asyncio.new_event_loop()
 API_KEY_VAR = "CALCULATOR_TEST_API_KEY"
@@ -170,14 +168,9 @@ WAREHOUSE = CalculatorTask(
 
 
 async def run_episodes(script, task_list, **taskset_args):
-    """Episodes with prime-rl's in-process `prime-chat` harness (what prime-rl gives a taskset without a harness),
-    which runs the tool calls against the taskset's MCP tool server."""
-    agent = {"runtime": {"type": "subprocess"}, "harness": {"id": "prime-chat"}}
-    config = {"taskset": {"id": "calculator", **taskset_args}, "agent": agent}
-    try:
-        return await kit.run_episodes(config, script, task_list, api_key_var=API_KEY_VAR)
-    finally:
-        await close_shared_client()  # prime-chat's pools live on this loop
+    """Episodes with prime-rl's `prime-chat`, which runs the tool calls against the taskset's MCP tool server."""
+    taskset = {"id": "calculator", **taskset_args}
+    return await kit.run_prime_chat_episodes(taskset, script, task_list, api_key_var=API_KEY_VAR)
 
 
 def test_episode_tool_call_then_answer(monkeypatch):

@@ -125,17 +125,22 @@ def generate(config: LookupConfig) -> list[str]:
     return [random_key(rng) for _ in range(config.num_tasks)]
 
 
+def lookup_task(key: str, max_turns: int, config: vf.TaskConfig | None = None) -> LookupTask:
+    """The task that asks for `key`'s code."""
+    data = LookupData(
+        prompt=f"what is the code of {key}?",
+        system_prompt=SYSTEM_PROMPT,
+        key=key,
+        code=code_of(key),
+        max_turns=max_turns,
+    )
+    return LookupTask(data, config)
+
+
 class LookupTaskset(vf.Taskset[LookupTask, LookupConfig]):
     def load(self):
         for key in generate(self.config):
-            data = LookupData(
-                prompt=f"what is the code of {key}?",
-                system_prompt=SYSTEM_PROMPT,
-                key=key,
-                code=code_of(key),
-                max_turns=self.config.max_turns,
-            )
-            yield LookupTask(data, self.config.task)
+            yield lookup_task(key, self.config.max_turns, self.config.task)
 
     @classmethod
     def toolsets(cls, config: LookupConfig) -> list[vf.Toolset]:

@@ -6,16 +6,14 @@ from lookup import (
     KEY_LETTERS,
     SYSTEM_PROMPT,
     LookupConfig,
-    LookupData,
     LookupTask,
     LookupTaskset,
     code_of,
     is_key,
     lookup,
+    lookup_task,
     matched,
 )
-
-from prime_chat import close_shared_client
 
 # verifiers keeps some asyncio state bound to the loop that first used it: one loop for this module.
 LOOP = asyncio.new_event_loop()
@@ -67,10 +65,7 @@ def tool_call(key: str, call_id: str = "call_1") -> dict:
 
 
 def task(key: str) -> LookupTask:
-    data = LookupData(
-        prompt=f"what is the code of {key}?", system_prompt=SYSTEM_PROMPT, key=key, code=code_of(key), max_turns=3
-    )
-    return LookupTask(data)
+    return lookup_task(key, max_turns=3)
 
 
 # One scripted player per task, told apart by the key in the question: one episode batch, one MCP server start.
@@ -94,14 +89,10 @@ def player(body: dict) -> dict:
 
 
 async def run_episodes(task_list, **taskset_args):
-    """Episodes with prime-rl's in-process `prime-chat` harness, which runs the tool calls against the taskset's
-    MCP tool server (a real subprocess)."""
-    agent = {"runtime": {"type": "subprocess"}, "harness": {"id": "prime-chat"}}
-    config = {"taskset": {"id": "lookup", **taskset_args}, "agent": agent}
-    try:
-        return await kit.run_episodes(config, player, task_list, api_key_var=API_KEY_VAR)
-    finally:
-        await close_shared_client()  # prime-chat's pools live on this loop
+    """Episodes with prime-rl's `prime-chat`, which runs the tool calls against the taskset's MCP tool server (a
+    real subprocess)."""
+    taskset = {"id": "lookup", **taskset_args}
+    return await kit.run_prime_chat_episodes(taskset, player, task_list, api_key_var=API_KEY_VAR)
 
 
 def test_episodes_through_the_mcp_tool(monkeypatch):
