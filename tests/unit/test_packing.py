@@ -8,8 +8,10 @@ from prime_rl.trainer.packing import (
     PackedRow,
     collate,
     first_fit_decreasing,
+    layout_units,
     micro_batches,
     pack_samples,
+    pack_units,
     packs_across_samples,
     padding_row,
     row_capacity,
@@ -210,3 +212,57 @@ def test_row_capacity_is_seq_len_for_varlen_kernels_and_the_longest_sample_other
     assert row_capacity([], seq_len=64, varlen=False) == 64
     assert packs_across_samples("flash_attention_2", cp=1) and packs_across_samples("sdpa", cp=2)
     assert not packs_across_samples("sdpa", cp=1) and not packs_across_samples("eager", cp=1)
+
+
+def shared_sample(tokens: list[int], first_trained: int, advantage: float = 1.0) -> TrainingSample:
+    n = len(tokens)
+    return TrainingSample(
+        token_ids=tokens,
+        loss_mask=[t >= first_trained for t in range(n)],
+        inference_logprobs=[-0.5 if t >= first_trained else 0.0 for t in range(n)],
+        advantages=[advantage] * n,
+    )
+
+
+def test_samples_of_one_prompt_share_it_by_hand():
+    # A and B: prompt [1, 2, 3], trained from index 3. They share [1, 2]; each keeps the prompt's last token 3,
+    # whose logits predict its first trained token. So does C, whose prompt ends in 4. D has the same tokens as B
+    # but is trained from index 2; E's prompt starts otherwise.
+    a = shared_sample([1, 2, 3, 10, 11], 3, advantage=1.0)
+    b = shared_sample([1, 2, 3, 20], 3, advantage=-1.0)
+    c = shared_sample([1, 2, 4, 30], 3)
+    d = shared_sample([1, 2, 3, 40], 2)
+    e = shared_sample([7, 2, 3, 50], 3)
+    units = layout_units([a, b, c, d, e], max_length=64, share_prompts=True)
+    assert [(u.samples, u.prompt, u.length) for u in units] == [
+        ((0, 1, 2), 2, 2 + 3 + 2 + 2),
+        ((3,), 0, 4),
+        ((4,), 0, 4),
+    ]
+    assert [(u.samples, u.prompt) for u in layout_units([a, b, c, d, e], 64, share_prompts=False)] == [
+        ((i,), 0) for i in range(5)
+    ]
+    units = layout_units([a, b], max_length=64, share_prompts=True)
+    (row,) = pack_units([a, b], units[:1], capacity=7)
+    assert row.input_ids.tolist() == [1, 2, 3, 10, 11, 3, 20]
+    assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 2, 3]  # each continuation goes on from the prompt's end
+    assert row.loss_mask.tolist() == [False, False, False, True, True, False, True]
+    assert row.sample_ids.tolist() == [0, 0, 0, 0, 0, 1, 1]  # the prompt carries A's id: it holds no loss token
+    assert row.advantages.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
+    assert row.inference_logprobs.tolist() == [0.0, 0.0, 0.0, -0.5, -0.5, 0.0, -0.5]
+    assert row.num_samples == 2 and row.sample_indices == [0, 1] and row.num_loss_tokens == 3
+
+
+def test_a_group_longer_than_a_row_is_split_and_repeats_its_prompt():
+    group = [shared_sample([5, 6, 7, 8] + [9] * n, 4) for n in (4, 4, 4)]  # prompt [5, 6, 7] shared, then 5 each
+    units = layout_units(group, max_length=14, share_prompts=True)
+    assert [(u.samples, u.prompt, u.length) for u in units] == [((0, 1), 3, 3 + 5 + 5), ((2,), 0, 8)]
+    assert sorted(i for row in pack_units(group, units, 14) for i in row.sample_indices) == [0, 1, 2]
+    # no trained token, or one right after the first token: nothing to share
+    lone = [
+        shared_sample([1, 2, 3], 3),
+        shared_sample([1, 2, 3], 3),
+        shared_sample([1, 2], 1),
+        shared_sample([1, 2], 1),
+    ]
+    assert [u.prompt for u in layout_units(lone, 64, share_prompts=True)] == [0, 0, 0, 0]

@@ -71,27 +71,29 @@ def test_peak_flops_lookup():
 
 def test_throughput_meter_window():
     meter = ThroughputMeter(window=2)
-    assert meter.tokens_per_s is None and meter.padding_fraction is None and meter.mfu(1.0, 1.0, 1) is None
+    assert meter.tokens_per_s is None and meter.mfu(1.0, 1.0, 1) is None
     meter.update(10.0, 100, 200)  # warm-up step: ignored
     assert meter.tokens_per_s is None
     meter.update(2.0, 300, 400)
-    meter.update(3.0, 200, 200)
-    # Window (2s, 300/400), (3s, 200/200): 500 tokens / 5 s = 100 tok/s; padding (600 - 500) / 600 = 1/6.
+    meter.update(3.0, 200, 100)  # a shared prompt: fewer positions computed than the samples hold
+    # Window (2s, 300 tokens/400 computed), (3s, 200/100): 500 tokens / 5 s = 100 tok/s.
     assert meter.tokens_per_s == pytest.approx(100.0)
-    assert meter.padding_fraction == pytest.approx(1 / 6)
-    meter.update(5.0, 100, 400)
-    # Window (3s, 200/200), (5s, 100/400): 300 / 8 = 37.5 tok/s; padding 300 / 600 = 0.5.
+    meter.update(5.0, 100, 200)
+    # Window (3s, 200/100), (5s, 100/200): 300 / 8 = 37.5 tok/s; computed 300 / 8 = 37.5 positions/s.
     assert meter.tokens_per_s == pytest.approx(37.5)
-    assert meter.padding_fraction == pytest.approx(0.5)
-    # MFU: 100 * 1e3 FLOP/token * 37.5 tok/s / (1e5 FLOP/s * 2 devices) = 18.75 %.
+    # MFU counts the positions computed: 100 * 1e3 FLOP/position * 37.5 /s / (1e5 FLOP/s * 2 devices) = 18.75 %.
     assert meter.mfu(1e3, 1e5, 2) == pytest.approx(18.75)
+    meter.update(1.0, 100, 700)
+    # Window (5s, 100/200), (1s, 100/700): computed 900 / 6 = 150 /s -> 100 * 1e3 * 150 / 2e5 = 75 %; tokens 200/6.
+    assert meter.mfu(1e3, 1e5, 2) == pytest.approx(75.0)
+    assert meter.tokens_per_s == pytest.approx(200 / 6)
     assert meter.mfu(1e3, None, 2) is None
 
 
 def test_throughput_meter_rejects_bad_input():
     meter = ThroughputMeter()
     with pytest.raises(ValueError):
-        meter.update(1.0, 10, 5)
+        meter.update(1.0, -1, 5)
     with pytest.raises(ValueError):
         meter.update(0.0, 1, 1)
     with pytest.raises(ValueError):

@@ -14,6 +14,7 @@ from prime_rl.trainer.model.logprobs import (
     install_logprob_head,
     next_token_logprobs,
     next_token_targets,
+    shared_prompt_mask,
     shift_to_tokens,
 )
 from prime_rl.trainer.packing import PackedRow, collate
@@ -222,3 +223,48 @@ def test_models_that_post_process_their_logits_are_refused(model_dir):
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(HeadError, match="changes the output layer's result"):
         next_token_logprobs(scaled, ids, torch.arange(3)[None], next_token_targets(ids), torch.ones(1, 3))
+
+
+def test_shared_prompt_mask_by_hand():
+    # A prompt of 2 tokens (positions 0, 1), two continuations from position 2 (3 and 2 tokens), then a sample alone.
+    positions = torch.tensor([[0, 1, 2, 3, 4, 2, 3, 0, 1]])
+    visible = {  # for each token, the tokens it may attend to
+        0: [0], 1: [0, 1],
+        2: [0, 1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 2, 3, 4],  # the prompt and itself
+        5: [0, 1, 5], 6: [0, 1, 5, 6],  # the prompt and itself, never the first continuation
+        7: [7], 8: [7, 8],  # a sample of its own
+    }  # fmt: skip
+    mask = shared_prompt_mask(positions)
+    assert mask.shape == (1, 1, 9, 9)
+    assert {q: mask[0, 0, q].nonzero()[:, 0].tolist() for q in range(9)} == visible
+    assert shared_prompt_mask(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])) is None  # nothing shared: no mask
+    assert shift_to_tokens(torch.arange(1.0, 10.0)[None], positions).tolist() == [[0, 1, 2, 3, 4, 0, 6, 0, 8]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_continuations_of_a_shared_prompt_score_as_the_samples_alone(model_dir, attn):
+    """The row [prompt | continuation 1 | continuation 2] gives each continuation's tokens the log-probs of its
+    sample run alone, under both attention kernels the packer shares prompts for."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    install_logprob_head(model, chunk=16)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 400, (6,), generator=g).tolist()
+    tails = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (5, 8)]
+    row = row_of([prompt[:-1]])  # the shared part; each continuation starts with the prompt's last token
+    shared = collate([row], concatenate=False)
+    for tail in tails:
+        piece = [prompt[-1], *tail]
+        shared.input_ids = torch.cat([shared.input_ids, torch.tensor([piece])], 1)
+        shared.position_ids = torch.cat([shared.position_ids, torch.arange(5, 5 + len(piece))[None]], 1)
+    shared.temperatures = torch.full(shared.input_ids.shape, 0.8)
+    with torch.no_grad():
+        logp, entropy = forward_logprobs(model, shared)
+    start = 5
+    for tail in tails:
+        alone_logp, alone_entropy = row_logprobs(model, [prompt + tail], temperature=0.8)
+        n = len(tail) + 1
+        # the continuation's tokens after its first (which opens a piece: 0), scored as in the sample alone;
+        # fp32, different row layouts: 1e-5 is far below what seeing the other continuation moves (> 1e-3, above)
+        torch.testing.assert_close(logp[0, start + 1 : start + n], alone_logp[6:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropy[0, start + 1 : start + n], alone_entropy[6:], rtol=0, atol=1e-5)
+        start += n

@@ -80,8 +80,10 @@ def test_micro_batches_give_the_gradient_of_one_row_per_forward(model, model_dir
     three, three_grads = run_step(step_fn, model, configs[1], rows, loss_scale)
 
     assert three["processed_tokens"] > one["processed_tokens"]  # the padding, counted as work done
+    assert three["padding_tokens"] > one["padding_tokens"] == 0  # ... and as padding
+    assert three["processed_tokens"] - three["padding_tokens"] == one["processed_tokens"]
     for key in one:
-        if key != "processed_tokens":
+        if key not in ("processed_tokens", "padding_tokens"):
             # sums of the same per-token fp32 values in another order (counts are exact)
             assert three[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
     assert one["loss"] != 0
@@ -165,3 +167,61 @@ def test_the_phase_timer_splits_a_step_into_forward_and_backward(model, model_di
     assert 0 < times["time_forward"] and 0 < times["time_backward"]
     assert times["time_forward"] + times["time_backward"] <= elapsed  # parts of the step, never more than it
     assert timer.pop() == {}  # popped: the next step starts from zero
+
+
+def grouped_samples(seed: int = 0) -> list[TrainingSample]:
+    """Three prompts x 4 rollouts as GRPO makes them, one with a second trained turn after an environment's tokens,
+    and one sample alone."""
+    rng = random.Random(seed)
+    out = []
+    for n_prompt in (6, 9, 4):
+        prompt = [rng.randrange(480) for _ in range(n_prompt)]
+        for _ in range(4):
+            turns = [(rng.randint(2, 8), True)] + (
+                [(3, False), (rng.randint(2, 5), True)] if rng.random() < 0.5 else []
+            )
+            tokens, mask = list(prompt), [False] * n_prompt
+            for n, trained in turns:
+                tokens += [rng.randrange(480) for _ in range(n)]
+                mask += [trained] * n
+            out.append(
+                TrainingSample(
+                    token_ids=tokens,
+                    loss_mask=mask,
+                    inference_logprobs=[rng.uniform(-6.6, -5.8) if m else 0.0 for m in mask],
+                    advantages=[rng.choice([-1.0, 0.5, 1.0])] * len(tokens),
+                    temperature=rng.choice([1.0, 0.7]),
+                )
+            )
+    return out + samples(seed)[:1]
+
+
+@pytest.mark.parametrize("loop", ["rl", "sft"])
+def test_samples_sharing_their_prompt_get_the_gradient_of_the_samples_alone(model, model_dir, loop):
+    """`layout_units` lays a group's prompt out once: fewer positions computed, the same loss, statistics and
+    gradient as each sample in full."""
+    batch = grouped_samples()
+    alone, shared = pack_samples(batch, seq_len=64), pack_samples(batch, seq_len=64, share_prompts=True)
+    # each group of 4 computes its prompt (less the last token, which each continuation keeps) once instead of 4x
+    saved = sum(3 * (n - 1) for n in (6, 9, 4))
+    assert sum(r.num_tokens for r in alone) - sum(r.num_tokens for r in shared) == saved
+    loss_scale = sum(row.num_loss_tokens for row in alone)
+    if loop == "rl":
+        step_fn, config = train.train_step, TrainerConfig(model={"name": str(model_dir)}, micro_batch_tokens=4096)
+    else:
+        step_fn, config = sft.train_step, SFTConfig(model={"name": str(model_dir)}, micro_batch_tokens=4096)
+    alone_totals, alone_grads = run_step(step_fn, model, config, alone, loss_scale)
+    shared_totals, shared_grads = run_step(step_fn, model, config, shared, loss_scale)
+    assert alone_totals["loss"] != 0
+    for key in alone_totals:
+        if key not in ("processed_tokens", "padding_tokens"):
+            # sums of the same per-token fp32 values computed in other row layouts
+            assert shared_totals[key] == pytest.approx(alone_totals[key], rel=1e-5, abs=1e-6), key
+    for name, grad in alone_grads.items():
+        # the prompt's gradient is summed over its continuations in one pass instead of per sample: a reordered
+        # fp32 sum, as in the tests above; a continuation seeing another would move entries by far more
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(
+            shared_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )

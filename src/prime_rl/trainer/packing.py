@@ -2,7 +2,11 @@
 into micro-batches (one forward each).
 
 Samples are concatenated inside a row; position ids restart at 0 for each sample, which is what lets the attention
-kernel treat the row as block-diagonal (no cross-sample attention). How long a row may be depends on the kernel
+kernel treat the row as block-diagonal (no cross-sample attention). Where the kernel computes the whole row anyway
+(sdpa, eager), the samples of a group that share their prompt share one copy of it (`layout_units`): the prompt once,
+then each sample's continuation with positions going on from the prompt's end, and an explicit attention mask
+(`model/logprobs.py: shared_prompt_mask`) lets each continuation see the prompt and itself only. GRPO's 8-16
+rollouts of a prompt then cost one prompt's forward and backward instead of 8-16. How long a row may be depends on the kernel
 (`row_capacity`): a varlen kernel (`flash_attention_2`, or context parallelism) skips the blocks between samples, so
 rows fill `seq_len`; sdpa and eager compute the whole L x L score matrix under a block-diagonal mask, so rows are
 kept as short as the step's longest sample. A micro-batch runs as many rows as fit a token budget as one [B, L]
@@ -81,6 +85,8 @@ class MicroBatch:
     num_samples: int
     slots: torch.Tensor
     """[B, L] long: each token's row's `slot` (-1 for padding)."""
+    num_padding: int = 0
+    """Positions that only pad: padding rows, and the padding that evens the rows' lengths."""
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +97,7 @@ class MicroBatch:
         return MicroBatch(
             **{name: getattr(self, name).to(device) for name in (*TENSOR_FIELDS, "sample_ids", "slots")},
             num_samples=self.num_samples,
+            num_padding=self.num_padding,
         )
 
 
@@ -132,39 +139,102 @@ def _flat_tensor(lists: Iterable[list], typecode: str, dtype: torch.dtype) -> to
     return torch.frombuffer(buffer, dtype=dtype)
 
 
-def _build_row(samples: Sequence[TrainingSample], indices: list[int]) -> PackedRow:
-    """Concatenate the given samples into one row.
+@dataclass(frozen=True)
+class Unit:
+    """Samples laid out together in a row: one sample alone (`prompt` 0), or several that continue one copy of their
+    common first `prompt` tokens."""
 
-    Per-sample constants (positions, sample id, temperature) are built as small per-sample tensors and
-    concatenated: cheap single-threaded ops, where repeat_interleave would open a parallel region per call.
+    samples: tuple[int, ...]
+    prompt: int
+    length: int
+    """Positions the unit takes in a row: the prompt once plus each sample's tokens after it."""
+
+
+def layout_units(samples: Sequence[TrainingSample], max_length: int, share_prompts: bool) -> list[Unit]:
+    """The units the samples are packed as: each alone, or (`share_prompts`) grouped by the tokens before their first
+    loss token, less that prompt's last token, which each sample keeps (its logits predict the sample's first
+    trained token, so each continuation needs its own copy of it).
+
+    Only identical prompts are shared, never a token that is trained, so every trained token sees exactly the
+    tokens it saw alone. A group longer than `max_length` is split into units that each repeat the prompt.
     """
-    chosen = [samples[i] for i in indices]
-    lengths = [len(s.token_ids) for s in chosen]
-    input_ids = _flat_tensor((s.token_ids for s in chosen), "q", torch.long)
-    loss_mask = _flat_tensor((s.loss_mask for s in chosen), "b", torch.bool)
-    logprobs = _flat_tensor((s.inference_logprobs for s in chosen), "f", torch.float32)
-    advantages = _flat_tensor((s.advantages for s in chosen), "f", torch.float32)
+    groups: dict[object, list[int]] = {}
+    for i, sample in enumerate(samples):
+        first_trained = next((t for t, trained in enumerate(sample.loss_mask) if trained), 0)
+        shared = first_trained - 1 if share_prompts else 0
+        key = (shared, array("q", sample.token_ids[:shared]).tobytes()) if shared > 0 else i
+        groups.setdefault(key, []).append(i)
+    units: list[Unit] = []
+    for key, members in groups.items():
+        prompt = key[0] if isinstance(key, tuple) else 0
+        current, length = [], prompt
+        for i in members:
+            added = len(samples[i].token_ids) - prompt
+            if current and length + added > max_length:
+                units.append(_unit(samples, current, prompt))
+                current, length = [], prompt
+            current.append(i)
+            length += added
+        units.append(_unit(samples, current, prompt))
+    return units
+
+
+def _unit(samples: Sequence[TrainingSample], members: list[int], prompt: int) -> Unit:
+    if len(members) == 1:  # nothing to share: the sample as it is
+        return Unit((members[0],), 0, len(samples[members[0]].token_ids))
+    return Unit(tuple(members), prompt, prompt + sum(len(samples[i].token_ids) - prompt for i in members))
+
+
+def _build_row(samples: Sequence[TrainingSample], units: Sequence[Unit]) -> PackedRow:
+    """Lay the units end to end as one row.
+
+    A row is a list of pieces, each a slice [start, end) of one sample with positions start..end-1: a lone sample
+    whole, or a unit's prompt (taken from its first sample, whose id it carries: it holds no loss token) followed
+    by each sample's tokens after it. Per-piece constants are built as small tensors and concatenated: cheap
+    single-threaded ops, where repeat_interleave would open a parallel region per call.
+    """
+    pieces: list[tuple[int, int, int, int]] = []  # (sample index, start, end, id of the sample within the row)
+    order: list[int] = []
+    for unit in units:
+        if unit.prompt:
+            pieces.append((unit.samples[0], 0, unit.prompt, len(order)))
+        for i in unit.samples:
+            pieces.append((i, unit.prompt, len(samples[i].token_ids), len(order)))
+            order.append(i)
+
+    def field(name: str, typecode: str, dtype: torch.dtype) -> torch.Tensor:
+        return _flat_tensor((getattr(samples[i], name)[start:end] for i, start, end, _ in pieces), typecode, dtype)
+
+    input_ids = field("token_ids", "q", torch.long)
+    loss_mask = field("loss_mask", "b", torch.bool)
+    logprobs = field("inference_logprobs", "f", torch.float32)
+    advantages = field("advantages", "f", torch.float32)
     if not loss_mask.numel() == logprobs.numel() == advantages.numel() == input_ids.numel():
-        raise ValueError(f"samples {indices} have per-token lists of unequal length (run validate_batch first)")
+        raise ValueError(f"samples {order} have per-token lists of unequal length (run validate_batch first)")
     return PackedRow(
         input_ids=input_ids,
-        position_ids=torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]),
+        position_ids=torch.cat([torch.arange(start, end, dtype=torch.long) for _, start, end, _ in pieces]),
         loss_mask=loss_mask,
         inference_logprobs=logprobs,
         advantages=advantages,
         temperatures=torch.cat(
-            [torch.full((n,), s.temperature, dtype=torch.float32) for n, s in zip(lengths, chosen, strict=True)],
+            [torch.full((end - start,), samples[i].temperature, dtype=torch.float32) for i, start, end, _ in pieces]
         ),
-        sample_ids=torch.cat([torch.full((n,), k, dtype=torch.long) for k, n in enumerate(lengths)]),
-        num_samples=len(chosen),
-        sample_indices=list(indices),
+        sample_ids=torch.cat([torch.full((end - start,), k, dtype=torch.long) for _, start, end, k in pieces]),
+        num_samples=len(order),
+        sample_indices=order,
     )
 
 
-def pack_samples(samples: Sequence[TrainingSample], seq_len: int) -> list[PackedRow]:
-    """Pack all samples into as few rows of at most seq_len tokens as FFD finds; every sample lands in one row."""
-    bins = first_fit_decreasing([len(s.token_ids) for s in samples], seq_len)
-    return [_build_row(samples, indices) for indices in bins]
+def pack_units(samples: Sequence[TrainingSample], units: Sequence[Unit], capacity: int) -> list[PackedRow]:
+    """Pack the units into as few rows of at most `capacity` positions as FFD finds; every unit lands in one row."""
+    bins = first_fit_decreasing([unit.length for unit in units], capacity)
+    return [_build_row(samples, [units[j] for j in indices]) for indices in bins]
+
+
+def pack_samples(samples: Sequence[TrainingSample], seq_len: int, share_prompts: bool = False) -> list[PackedRow]:
+    """Pack all samples into rows of at most seq_len positions (`share_prompts`: a group's prompt once)."""
+    return pack_units(samples, layout_units(samples, seq_len, share_prompts), seq_len)
 
 
 def padding_row(pad_token_id: int = 0, length: int = 1) -> PackedRow:
@@ -226,11 +296,13 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
     with each row padded to the longest by a padding row (its own sample: positions from 0, no loss tokens)."""
     if not rows:
         raise ValueError("a micro-batch needs at least one row")
+    num_padding = sum(row.num_tokens for row in rows if row.is_padding)
     if concatenate:
         slots = torch.cat([torch.full((r.num_tokens,), r.slot, dtype=torch.long) for r in rows]).unsqueeze(0)
         rows = [join_rows(rows)]
     else:
         longest = max(row.num_tokens for row in rows)
+        num_padding += sum(longest - row.num_tokens for row in rows)
         slots = torch.stack([torch.full((longest,), r.slot, dtype=torch.long) for r in rows])
         rows = [
             join_rows([r, padding_row(length=longest - r.num_tokens)]) if r.num_tokens < longest else r for r in rows
@@ -241,6 +313,7 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
         sample_ids=torch.stack([row.sample_ids + offset for row, offset in zip(rows, offsets, strict=True)]),
         num_samples=sum(row.num_samples for row in rows),
         slots=slots,
+        num_padding=num_padding,
     )
 
 
@@ -251,7 +324,8 @@ def packs_across_samples(attn: str, cp: int) -> bool:
 
 
 def row_capacity(lengths: Sequence[int], seq_len: int, varlen: bool) -> int:
-    """How long the rows of a step may be: `seq_len` for a varlen kernel, else the step's longest sample.
+    """How long the rows of a step may be: `seq_len` for a varlen kernel, else the step's longest unit (a sample,
+    or samples sharing their prompt: `layout_units`), `lengths` being the units'.
 
     sdpa and eager attend over the whole row under a block-diagonal mask, so a row of L tokens costs L² score
     entries whichever samples it holds: 64 samples of 123 tokens cost 16 x 512² in rows of 512, 64 x 123² (4x

@@ -83,37 +83,30 @@ class ThroughputMeter:
         self._steps: deque[tuple[float, int, int]] = deque(maxlen=window)
         self._seen = 0
 
-    def update(self, step_seconds: float, real_tokens: int, padded_tokens: int) -> None:
-        """Record one step: wall time, tokens carrying data, and tokens processed including padding."""
+    def update(self, step_seconds: float, tokens: int, computed_tokens: int) -> None:
+        """Record one step: wall time, the samples' tokens, and the positions the model computed for them (padding
+        excluded; fewer than `tokens` where samples share a prompt, `packing.layout_units`)."""
         if step_seconds <= 0:
             raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
-        if not 0 <= real_tokens <= padded_tokens:
-            raise ValueError(f"need 0 <= real_tokens <= padded_tokens, got {real_tokens} and {padded_tokens}")
+        if tokens < 0 or computed_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got {tokens} and {computed_tokens}")
         self._seen += 1
         if self._seen > 1:
-            self._steps.append((step_seconds, real_tokens, padded_tokens))
+            self._steps.append((step_seconds, tokens, computed_tokens))
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Real tokens per second over the window; None until a step after the warm-up one is recorded."""
+        """The samples' tokens per second over the window; None until a step after the warm-up one is recorded."""
         if not self._steps:
             return None
         return sum(s[1] for s in self._steps) / sum(s[0] for s in self._steps)
 
-    @property
-    def padding_fraction(self) -> float | None:
-        """Share of processed tokens that were padding, over the window; None before any counted step."""
-        total = sum(s[2] for s in self._steps)
-        if total == 0:
-            return None
-        return (total - sum(s[1] for s in self._steps)) / total
-
     def mfu(self, flops_per_token: float, peak_flops_per_device: float | None, world_size: int) -> float | None:
         """Model FLOPs utilisation in percent; None when the device peak is unknown or nothing is measured yet."""
-        tokens_per_s = self.tokens_per_s
-        if peak_flops_per_device is None or tokens_per_s is None:
+        if peak_flops_per_device is None or not self._steps:
             return None
-        return 100.0 * flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)
+        computed_per_s = sum(s[2] for s in self._steps) / sum(s[0] for s in self._steps)  # the FLOPs actually spent
+        return 100.0 * flops_per_token * computed_per_s / (peak_flops_per_device * world_size)
 
 
 def peak_memory_gib(device: torch.device) -> float:

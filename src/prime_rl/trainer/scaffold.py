@@ -38,7 +38,7 @@ from prime_rl.trainer.model.build import SetupError, build_model, check_device, 
 from prime_rl.trainer.model.logprobs import HeadError
 from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
-from prime_rl.trainer.packing import PackedRow, pack_samples, packs_across_samples, row_capacity, shard_rows
+from prime_rl.trainer.packing import PackedRow, layout_units, pack_units, packs_across_samples, row_capacity, shard_rows
 from prime_rl.trainer.parallel.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
 from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
@@ -236,8 +236,8 @@ def next_rows(
 ) -> tuple[list[PackedRow], dict]:
     """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
 
-    Rows are at most `seq_len` long, or as long as the longest sample where the attention kernel `attn` computes
-    the whole row (`row_capacity`). `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
+    Rows are at most `seq_len` long, or as long as the longest unit where the attention kernel `attn` computes
+    the whole row (`row_capacity`); there a group's samples share one copy of their prompt (`layout_units`). `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
     each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
     `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
     raised on every rank with rank 0's message, instead of leaving the other ranks blocked in the next collective.
@@ -248,10 +248,11 @@ def next_rows(
             samples, facts = take_samples()
             by_slot = samples if isinstance(samples, dict) else {0: samples}
             rows, slots = [], {}
-            lengths = [len(s.token_ids) for slot_samples in by_slot.values() for s in slot_samples]
-            capacity = row_capacity(lengths, seq_len, packs_across_samples(attn, world.cp))
+            varlen = packs_across_samples(attn, world.cp)
+            units = {slot: layout_units(ss, seq_len, share_prompts=not varlen) for slot, ss in by_slot.items()}
+            capacity = row_capacity([u.length for us in units.values() for u in us], seq_len, varlen)
             for slot, slot_samples in by_slot.items():
-                slot_rows = pack_samples(slot_samples, capacity)
+                slot_rows = pack_units(slot_samples, units[slot], capacity)
                 for row in slot_rows:
                     row.slot = slot
                 rows += slot_rows
@@ -295,16 +296,18 @@ class StepMeter:
         self.world = world
 
     def step(self, sums: dict, info: dict, grad_norm: float, lr: float, t_data: float, t_train: float) -> dict:
-        """`sums`: the all-reduced statistics of `train_step` (`loss`, `processed_tokens`); `info`: the totals
+        """`sums`: the all-reduced statistics of `train_step` (`loss`, `processed_tokens` the positions computed,
+        `padding_tokens` those of them that only pad); `info`: the totals
         of `next_rows`; `t_data`: the wait for the samples, reported apart from `t_train`."""
-        self.meter.update(t_train, info["tokens"], int(sums["processed_tokens"]))
+        padding = int(sums.get("padding_tokens", 0))
+        self.meter.update(t_train, info["tokens"], max(0, int(sums["processed_tokens"]) - padding))
         return {
             "loss": sums["loss"],
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": info["tokens"],
             "samples": info["samples"],
-            "padding_fraction": 1 - info["tokens"] / max(sums["processed_tokens"], 1),
+            "padding_fraction": min(1.0, padding / max(sums["processed_tokens"], 1)),
             "tokens_per_s": self.meter.tokens_per_s or info["tokens"] / max(t_train, 1e-9),
             "mfu": self.meter.mfu(self.flops_per_token, self.peak, self.world.world_size) if self.peak else None,
             "peak_memory_gib": peak_memory_gib(self.world.device),

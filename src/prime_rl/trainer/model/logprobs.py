@@ -7,7 +7,7 @@ time: the log-prob of a given target token under logits / T and the entropy of t
 keeps the hidden states and each position's log-partition; backward recomputes each chunk's logits.
 
     install_logprob_head(model, chunk)                       # once, before FSDP
-    logp, entropy = forward_logprobs(model, batch)           # [B, L]: log p(token t | tokens < t), 0 at sample starts
+    logp, entropy = forward_logprobs(model, batch)           # [B, L]: log p(token t | tokens < t), 0 at piece starts
 
 `forward_logprobs` is the one forward path of both training loops (`rl/train.py`, `sft/train.py`).
 """
@@ -140,20 +140,26 @@ def install_logprob_head(model: nn.Module, chunk: int) -> LogProbHead:
 
 
 def next_token_logprobs(
-    model: nn.Module, input_ids: Tensor, position_ids: Tensor, targets: Tensor, temperatures: Tensor
+    model: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    targets: Tensor,
+    temperatures: Tensor,
+    attention_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log p(targets[b, t] | tokens <= t) under logits / temperatures[b, t], and that distribution's entropy.
 
     All [B, L]. `targets` are explicit so a caller can score a slice of a row whose last target lies beyond
-    it. No attention mask and no KV cache: transformers derives a block-diagonal mask (or varlen flash
-    attention) from the position ids restarting at 0, so packed samples never see each other.
+    it. No KV cache. Without `attention_mask` ([B, 1, L, L], `model_attention_mask`) transformers derives a
+    block-diagonal mask (or varlen flash attention) from the position ids restarting at 0, so packed samples never
+    see each other.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, LogProbHead):
         raise HeadError("the model has no LogProbHead: call install_logprob_head before sharding")
     head.targets, head.temperatures = targets, temperatures
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
         scored, returned = head.output, out.logits
     finally:
         head.targets = head.temperatures = head.output = None
@@ -173,15 +179,58 @@ def next_token_targets(input_ids: Tensor) -> Tensor:
 
 
 def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
-    """Values "of the next token at position t" -> "of token t": shift right by one, 0 where a sample starts.
+    """Values "of the next token at position t" -> "of token t": shift right by one, 0 where a piece starts.
 
-    A sample's first token (position id 0) has no prediction inside its sample, so it gets 0 (it is always
-    prompt, never trained); the prediction across the boundary, from the previous sample's last token, drops.
+    A piece is a run of consecutive positions: a sample, a shared prompt, or a sample's continuation of one. A
+    piece's first token has no prediction from the token before it in the row, so it gets 0 (it is always prompt,
+    never trained); the prediction across the boundary, from the previous piece's last token, drops.
     """
     shifted = torch.cat(
         [next_token_values.new_zeros(*next_token_values.shape[:-1], 1), next_token_values[..., :-1]], -1
     )
-    return torch.where(position_ids == 0, 0.0, shifted)
+    return torch.where(piece_starts(position_ids), 0.0, shifted)
+
+
+def piece_starts(position_ids: Tensor) -> Tensor:
+    """[..., L] -> bool [..., L]: where a position does not follow the one before it (a row's first token too)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
+
+
+def shared_prompt_mask(position_ids: Tensor) -> Tensor | None:
+    """[B, L] position ids -> the [B, 1, L, L] boolean attention mask (True: may attend) of rows where samples
+    share their prompt (`packing.layout_units`), or None when no row does.
+
+    A row is a sequence of pieces (`piece_starts`). A piece starting at position 0 is a sample or a shared prompt;
+    one starting at p > 0 continues the prompt before it: it sees the prompt's tokens (positions < p, of the last
+    piece that started at 0) and its own, never the other continuations (positions >= p). Causal throughout.
+    """
+    starts = piece_starts(position_ids)
+    if not bool((starts & (position_ids > 0)).any()):
+        return None
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    piece = torch.where(starts, index, 0).cummax(-1).values  # index of each token's piece start
+    root = torch.where(starts & (position_ids == 0), index, 0).cummax(-1).values  # ... of its sample or prompt
+    first_position = position_ids.gather(-1, piece)
+    same_piece = piece[:, :, None] == piece[:, None, :]
+    prompt_before = (root[:, :, None] == root[:, None, :]) & (position_ids[:, None, :] < first_position[:, :, None])
+    causal = torch.ones(index.shape[-1], index.shape[-1], dtype=torch.bool, device=index.device).tril()
+    return ((same_piece | prompt_before) & causal)[:, None]
+
+
+def model_attention_mask(model: nn.Module, position_ids: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """`shared_prompt_mask` in the form the model's attention takes: boolean for sdpa, additive (0 / -inf-like) in
+    `dtype` for eager; None when nothing is shared. Varlen kernels cannot take it: the packer never shares there."""
+    mask = shared_prompt_mask(position_ids)
+    if mask is None:
+        return None
+    attn = model.config._attn_implementation
+    if attn == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    if attn != "sdpa":
+        raise ValueError(f"rows with shared prompts need sdpa or eager attention, the model runs {attn}")
+    return mask
 
 
 def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: World) -> Iterator[MicroBatch]:
@@ -213,7 +262,7 @@ def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: Wor
 def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = None) -> tuple[Tensor, Tensor]:
     """The forward of a micro-batch ([B, L] tensors on the model's device): log p(token t | what precedes it
     in its sample) under the sampling temperature, and the entropy of that distribution; both [B, L] fp32,
-    0 at each sample's first token. Both training loops run every forward through here.
+    0 at each piece's first token (`shift_to_tokens`). Both training loops run every forward through here.
 
     With context parallelism (`world.cp` > 1, inside `forward_passes`' context) this rank runs the model on its
     chunk of the row, scoring each position's next token taken from the whole row (a chunk's last position
@@ -223,7 +272,8 @@ def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = 
     targets = next_token_targets(batch.input_ids)
     tensors = (batch.input_ids, batch.position_ids, targets, batch.temperatures)
     if world is None or world.cp == 1:
-        logp, entropy = next_token_logprobs(model, *tensors)
+        mask = model_attention_mask(model, batch.position_ids, model.get_output_embeddings().weight.dtype)
+        logp, entropy = next_token_logprobs(model, *tensors, attention_mask=mask)
     else:
         logp, entropy = next_token_logprobs(model, *(shard_row(t, world.cp_rank, world.cp) for t in tensors))
         logp, entropy = gather_row(logp, world.cp_group), gather_row(entropy, world.cp_group)

@@ -38,7 +38,7 @@ from prime_rl.trainer.model.build import (
     stored_dtype,
 )
 from prime_rl.trainer.model.loading import scatter_from_rank0
-from prime_rl.trainer.model.logprobs import shift_to_tokens
+from prime_rl.trainer.model.logprobs import model_attention_mask, shift_to_tokens
 from prime_rl.trainer.optim import build_optimizer, build_scheduler
 from prime_rl.trainer.packing import MicroBatch, PackedRow, collate
 from prime_rl.trainer.parallel.distributed import World
@@ -133,8 +133,12 @@ class ValueModel(nn.Module):
         self.model.gradient_checkpointing_enable(**kwargs)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """[B, L] -> [B, L] fp32 values of the states after each position (packed samples: positions restart at 0)."""
-        hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        """[B, L] -> [B, L] fp32 values of the states after each position (packed samples: positions restart at 0;
+        shared prompts: `shared_prompt_mask`)."""
+        mask = model_attention_mask(self.model, position_ids, self.model.get_input_embeddings().weight.dtype)
+        hidden = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
+        ).last_hidden_state
         values = self.value_head(hidden.float().reshape(-1, hidden.shape[-1]))  # 2-D: a matmul's own output
         return values.view(input_ids.shape).clone()  # not a view: FSDP hooks the outputs of its modules
 
@@ -207,7 +211,7 @@ class PreparedRow:
 
 
 def row_values(model: ValueModel, row: PackedRow, world: World) -> tuple[Tensor, MicroBatch]:
-    """V(s_t) for every token of `row` ([L] fp32, 0 at each sample's first token) and the row on the device.
+    """V(s_t) for every token of `row` ([L] fp32, 0 at each piece's first token: `shift_to_tokens`) and the row on the device.
     One row per forward: every rank has as many rows as the others (`shard_rows`), so as many forwards."""
     batch = collate([row], concatenate=True).to(world.device)
     values = model(batch.input_ids, batch.position_ids)

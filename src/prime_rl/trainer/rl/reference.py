@@ -37,7 +37,7 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, batch: MicroBatch, world: World) -> Tensor:
-        """Flat [B * L] logprobs of the micro-batch's tokens under the reference (0 at each sample's first token)."""
+        """Flat [B * L] logprobs of the micro-batch's tokens under the reference (0 at each piece's first token)."""
         with self.adapters.base_only() if self.adapters is not None else nullcontext():
             logp, _ = forward_logprobs(self.model, batch, world)
         if self.adapters is None:

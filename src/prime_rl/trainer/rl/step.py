@@ -81,6 +81,7 @@ def batch_loss(
         add(slot, "loss", slot_loss)
         add(slot, "entropy_sum", torch.where(mask, pick(entropy), 0.0).sum())
         add(slot, "processed_tokens", torch.tensor(mask.numel() if len(present) > 1 else batch.num_tokens))
+        add(slot, "padding_tokens", torch.tensor(batch.num_padding if len(present) == 1 else 0))  # not split by run
         for key, value in stats.items():
             add(slot, key, value)
     return loss

@@ -112,7 +112,7 @@ def train_step(
     through slot 0's adapter; `timer`: where forward and backward time go.
     """
     loss = torch.zeros((), dtype=torch.float64, device=world.device)
-    processed = 0
+    processed = padding = 0
     phase = timer or (lambda _: nullcontext())
     for batch in forward_passes(rows, config.micro_batch_tokens or config.seq_len, config.model.attn, world):
         with adapters.tokens(batch.slots, carrier=0) if adapters is not None else nullcontext():
@@ -123,9 +123,10 @@ def train_step(
                 batch_loss.backward()
         loss += batch_loss.detach().double()
         processed += batch.num_tokens
+        padding += batch.num_padding
     if world.cp_rank != 0:
-        return {"loss": 0.0, "processed_tokens": 0.0}
-    return {"loss": loss.item(), "processed_tokens": float(processed)}
+        return {"loss": 0.0, "processed_tokens": 0.0, "padding_tokens": 0.0}
+    return {"loss": loss.item(), "processed_tokens": float(processed), "padding_tokens": float(padding)}
 
 
 def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: str) -> None:
