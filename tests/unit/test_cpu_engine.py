@@ -1,9 +1,11 @@
 """The CPU engine's sizing rules: KV cache bytes, OpenMP threads, when one engine process is enough."""
 
+import gc
 import os
 from argparse import Namespace
 from types import SimpleNamespace
 
+from prime_rl.inference import cpu_engine
 from prime_rl.inference.cpu_engine import (
     MIB,
     engine_threads,
@@ -110,3 +112,16 @@ def test_sampled_token_ranks_are_vllms_without_compiling():
         assert sampler.batched_count_greater_than is count_at_least
     finally:
         sampler.batched_count_greater_than = original
+
+
+def test_the_engine_fork_freezes_the_api_servers_objects():
+    """The engine is forked with the API server's objects frozen (`gc.freeze`), so the engine's collections leave the
+    pages they live on shared instead of copying them."""
+    gc.unfreeze()
+    garbage_collected = [[] for _ in range(100)]  # tracked objects the collector would otherwise visit
+    context = cpu_engine._fork_context()
+    try:
+        assert context.get_start_method() == "fork"
+        assert gc.get_freeze_count() >= len(garbage_collected)
+    finally:
+        gc.unfreeze()

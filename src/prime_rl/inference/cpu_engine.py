@@ -10,6 +10,7 @@ everything already. GPU builds and several workers keep vLLM's defaults.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import math
 import multiprocessing
@@ -66,7 +67,14 @@ def use_one_engine_process() -> None:
     if not hasattr(engine_utils, "get_mp_context"):  # a vLLM whose engine launcher we do not know: its own default
         raise RuntimeError("vllm.v1.engine.utils.get_mp_context is gone: check use_one_engine_process for this vLLM")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    engine_utils.get_mp_context = _fork_context
+
+
+def _fork_context():
+    """The fork context, after `gc.freeze()`: the collector never visits the objects the API server holds at the
+    fork, so the engine's collections do not write to (and so copy) every page they live on."""
+    gc.freeze()
+    return multiprocessing.get_context("fork")
 
 
 def rank_tokens_eagerly() -> None:
