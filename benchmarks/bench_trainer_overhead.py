@@ -1,20 +1,26 @@
-"""Our trainer's step against a bare transformers forward + backward + AdamW loop on the identical packed batch.
+"""Our trainer's step against a bare transformers forward + backward + AdamW loop on the identical batch.
 
     uv run python benchmarks/bench_trainer_overhead.py                        # the demo's model and step shape
-    uv run python benchmarks/bench_trainer_overhead.py --model DIR --samples 16 --sample-tokens 80
+    uv run python benchmarks/bench_trainer_overhead.py --model DIR --samples 16 --prompt-tokens 35 --sample-tokens 87
+
+The batch is GRPO's: `--samples` samples of `--sample-tokens` tokens in groups of `--rollouts-per-prompt` that
+share their first `--prompt-tokens` tokens (random tokens, a random advantage per sample; the defaults are the
+demo's step: 8 prompts of ~108 tokens, 8 rollouts each, ~123 tokens a sample).
 
 The bare loop is the reference for what one process can do here: the same model (loaded by `from_pretrained`),
-dtype, rows (packed by our `pack_samples`, restarting position ids), the same per-token policy-gradient arithmetic
-(log-softmax of the logits, the target's log-prob, advantage-weighted mean over the loss tokens) and plain
-`torch.optim.AdamW`, with no FSDP, no chunked head, no metrics. It runs once with one forward per row packed to
-`--seq-len` (our trainer before its rows and micro-batches were sized by the attention kernel and a token budget),
-and once with every sample in a row of its own and all rows in one forward (the best layout for sdpa here).
+dtype and samples, each sample in full (position ids restarting per sample), the same per-token policy-gradient
+arithmetic (log-softmax of the logits, the target's log-prob, advantage-weighted mean over the loss tokens) and
+plain `torch.optim.AdamW`, with no FSDP, no chunked head, no metrics. It runs once with one forward per row packed
+to `--seq-len` (our trainer before its rows and micro-batches were sized by the attention kernel and a token
+budget), and once with every sample in a row of its own and all rows in one forward (the best layout for sdpa
+without shared prompts).
 
 Ours is `build_run` (FSDP2 on a one-process gloo group, the chunked log-prob head) + `train_step` +
-`optimizer_step` on the rows the trainer makes (`row_capacity`: as long as the longest sample for sdpa) in
-micro-batches of `--micro-batch-tokens`, timed as forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then
-`--steps` timed ones on the same batch; the table gives the median step time and tokens/s over the loss-carrying
-and prompt tokens alike (all of them go through forward and backward).
+`optimizer_step` on the rows the trainer makes: a group's prompt once (`layout_units`), rows as long as the longest
+unit (`row_capacity`), micro-batches of `--micro-batch-tokens`; `--no-share` lays every sample out whole. Timed as
+forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then `--steps` timed ones on
+the same batch; the table gives the median step time and tokens/s over the samples' tokens, trained and prompt
+alike (what the bare loop puts through forward and backward).
 """
 
 import argparse
@@ -26,12 +32,12 @@ from pathlib import Path
 
 import torch
 
+from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.packing import collate, pack_samples, packs_across_samples, row_capacity
+from prime_rl.trainer.packing import collate, layout_units, pack_samples, pack_units, row_capacity
 from prime_rl.trainer.parallel.distributed import init_distributed
 from prime_rl.trainer.rl.step import train_step
-from prime_rl.trainer.rl.train import fake_samples
 from prime_rl.trainer.scaffold import build_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +48,27 @@ def demo_model(directory: Path) -> Path:
     spec = tomllib.loads((ROOT / "configs/reverse_text/model.toml").read_text())
     spec["output"] = directory / "model"
     return build_tiny_model(TinyModelConfig(**spec))
+
+
+def grpo_samples(vocab: int, samples: int, per_prompt: int, prompt_tokens: int, sample_tokens: int):
+    """`samples` random samples in groups of `per_prompt` sharing their first `prompt_tokens` tokens."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(samples):
+        if i % per_prompt == 0:
+            prompt = torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
+        completion = torch.randint(0, vocab, (sample_tokens - prompt_tokens,), generator=g).tolist()
+        n = len(completion)
+        advantage = float(torch.randn((), generator=g))
+        out.append(
+            TrainingSample(
+                token_ids=prompt + completion,
+                loss_mask=[False] * prompt_tokens + [True] * n,
+                inference_logprobs=[0.0] * prompt_tokens + [-5.0] * n,
+                advantages=[advantage] * (prompt_tokens + n),
+            )
+        )
+    return out
 
 
 def bare_step(model, optimizer, batches, loss_tokens: int) -> tuple[float, float]:
@@ -76,6 +103,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="samples per step (the demo: 64 rollouts)")
     parser.add_argument("--seq-len", type=int, default=512, help="row length the samples are packed into")
     parser.add_argument("--sample-tokens", type=int, default=123, help="tokens per sample (the demo: ~123)")
+    parser.add_argument("--prompt-tokens", type=int, default=108, help="of which the prompt (the demo: ~108)")
+    parser.add_argument("--rollouts-per-prompt", type=int, default=8, help="samples sharing a prompt (the demo: 8)")
+    parser.add_argument("--no-share", action="store_true", help="ours: lay every sample out whole")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="ours: positions per forward")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -88,20 +118,22 @@ def main() -> None:
 
     config = TrainerConfig(
         model={"name": str(model_dir), "dtype": args.dtype},
-        seq_len=args.sample_tokens,  # fake_samples makes samples of seq_len tokens; rows are packed below
-        bench={"samples": args.samples},
+        seq_len=args.seq_len,
+        micro_batch_tokens=args.micro_batch_tokens,
         optim={"type": "adamw", "lr": 1e-6},
         output_dir=Path(tmp.name) / "out",
     )
     world = init_distributed()
     run = build_run(config, world, "trainer", 1, "benchmarking")
-    samples = fake_samples(config, run.model.config.vocab_size, 1)
+    samples = grpo_samples(
+        run.model.config.vocab_size, args.samples, args.rollouts_per_prompt, args.prompt_tokens, args.sample_tokens
+    )
     rows = pack_samples(samples, args.seq_len)
     tokens = sum(r.num_tokens for r in rows)
     loss_tokens = sum(r.num_loss_tokens for r in rows)
-    config = config.model_copy(update={"seq_len": args.seq_len, "micro_batch_tokens": args.micro_batch_tokens})
     lengths = [len(s.token_ids) for s in samples]
-    our_rows = pack_samples(samples, row_capacity(lengths, args.seq_len, packs_across_samples("sdpa", 1)))
+    units = layout_units(samples, args.seq_len, share_prompts=not args.no_share)  # what the trainer does for sdpa
+    our_rows = pack_units(samples, units, row_capacity([u.length for u in units], args.seq_len, varlen=False))
 
     def ours() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -131,7 +163,8 @@ def main() -> None:
     print(
         f"{params / 1e6:.2f}M params, {args.dtype}, {torch.get_num_threads()} threads; {len(samples)} samples x "
         f"{args.sample_tokens} tokens in {len(rows)} rows of <= {args.seq_len} ({tokens} tokens, {loss_tokens} scored); "
-        f"ours: {len(our_rows)} rows, <= {args.micro_batch_tokens} positions per forward; "
+        f"ours: {sum(r.num_tokens for r in our_rows)} positions in {len(our_rows)} rows"
+        f"{' (prompts shared)' if not args.no_share else ''}, <= {args.micro_batch_tokens} positions per forward; "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
     reference = sum(results["bare, a forward per row"])
