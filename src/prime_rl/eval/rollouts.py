@@ -30,6 +30,7 @@ from prime_rl.orchestrator.messages import RolloutResult, RunGroup
 from prime_rl.orchestrator.patches import (
     cache_default_factory_signatures,
     close_pooled_clients,
+    load_tokenizers_lightly,
     pool_http_clients_on_aiohttp,
 )
 from prime_rl.orchestrator.worker import Worker
@@ -80,6 +81,7 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
         logging.getLogger(name).setLevel(logging.WARNING)
     cache_default_factory_signatures()
     pool_http_clients_on_aiohttp()
+    load_tokenizers_lightly()
     worker = Worker(config, 0, keep_messages, chat_api=config.api == "chat")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(close_shared_client)

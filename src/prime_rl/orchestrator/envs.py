@@ -151,10 +151,10 @@ def check_prompts_fit(tasks: dict[str, EnvTasks], model, seq_len: int, max_token
     """Refuse, before anything starts, environments whose prompts alone fill `seq_len`: every rollout of them would
     be dropped as too long. Checks the first tasks of each environment, rendered with the model's chat template
     (the renderer may differ by a few scaffold tokens, so only a prompt that leaves no room at all is an error)."""
-    from transformers import AutoTokenizer
+    from prime_rl.models.tokenizers import load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model.name, trust_remote_code=model.trust_remote_code)
+        tokenizer = load_tokenizer(model.name, trust_remote_code=model.trust_remote_code)
     except Exception as e:  # a hub id without a hub: the orchestrator's own start will say more
         logger.warning(f"prompt lengths not checked: tokenizer {model.name!r} did not load ({e})")
         return

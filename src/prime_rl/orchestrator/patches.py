@@ -1,6 +1,6 @@
 """What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions,
-a cache for a pydantic check verifiers repeats on every model turn, and aiohttp's connection pool under the client
-that calls the server.
+a cache for a pydantic check verifiers repeats on every model turn, aiohttp's connection pool under the client
+that calls the server, and tokenizers loaded without transformers' modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
 drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
@@ -9,8 +9,8 @@ versions with `take_versions`. In adapter mode they are not used: vLLM labels to
 whichever adapter sampled them, so the scheduler counts the group at the policy it was started on.
 
 Their own module because they patch other packages' functions process-wide, apart from the code that runs rollouts:
-`worker_main` installs all three in each worker process, eval's in-process `Worker` the pydantic cache and the pool
-(it trains nothing, so it needs no versions). Each is idempotent and changes nothing else those packages do.
+`worker_main` installs them all in each worker process, eval's in-process `Worker` all but the versions (it trains
+nothing, so it needs none). Each is idempotent and changes nothing else those packages do.
 """
 
 from __future__ import annotations
@@ -135,3 +135,23 @@ async def close_pooled_clients() -> None:
     for client in list(_pooled_clients):
         await client.aclose()
     _pooled_clients.clear()
+
+
+def load_tokenizers_lightly() -> None:
+    """Have renderers load a tokenizer with `models.tokenizers.load_tokenizer`: the class `AutoTokenizer` would pick,
+    without importing transformers' modeling stack where the directory says which (~120 MiB less per process)."""
+    import renderers.base as rb
+
+    from prime_rl.models.tokenizers import is_generic_tokenizer_dir, load_tokenizer
+
+    if getattr(rb._load_tokenizer_via_auto, "_prime_rl", False):
+        return
+    original = rb._load_tokenizer_via_auto
+
+    def load(model_name_or_path: str, **kwargs):
+        if is_generic_tokenizer_dir(model_name_or_path):
+            return load_tokenizer(model_name_or_path, **kwargs)
+        return original(model_name_or_path, **kwargs)  # renderers' own, with its fallbacks
+
+    load._prime_rl = True
+    rb._load_tokenizer_via_auto = load

@@ -39,6 +39,7 @@ from prime_rl.orchestrator.patches import (
     cache_default_factory_signatures,
     close_pooled_clients,
     install_version_capture,
+    load_tokenizers_lightly,
     pool_http_clients_on_aiohttp,
 )
 from prime_rl.orchestrator.results import episode_results
@@ -162,6 +163,7 @@ def install_worker_patches(level: str) -> None:
     install_version_capture()
     cache_default_factory_signatures()
     pool_http_clients_on_aiohttp()
+    load_tokenizers_lightly()
 
 
 async def _serve(config, index: int, address: str) -> None:
