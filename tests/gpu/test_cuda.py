@@ -130,7 +130,8 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     port = free_port()
     receiver = """
     import sys, time, torch
-    from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
+    from prime_rl.weight_broadcast.protocol import read_session
+    from prime_rl.weight_broadcast.transfer import agree, join_group, receive_header, receive_tensors
     from prime_rl.weight_broadcast.client import StoreClient
     from prime_rl.weight_broadcast.wire import StoreError
     port, out = int(sys.argv[1]), sys.argv[2]

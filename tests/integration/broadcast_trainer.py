@@ -25,7 +25,7 @@ from prime_rl.config import WeightBroadcastConfig
 from prime_rl.trainer.parallel.distributed import init_distributed
 from prime_rl.trainer.rl.batches import wait_until
 from prime_rl.trainer.rl.broadcast import WeightSender
-from prime_rl.weight_broadcast import protocol
+from prime_rl.weight_broadcast import transfer
 from prime_rl.weight_broadcast.protocol import ORCHESTRATOR_DONE
 
 
@@ -87,9 +87,9 @@ def main() -> None:
         if not bad:
             return real_send_header(group, header, device, timeout)
         size, raw = BAD[bad.pop(0)]
-        protocol._broadcast(group, torch.tensor([size if size is not None else len(raw)], dtype=torch.int64), timeout)
+        transfer._broadcast(group, torch.tensor([size if size is not None else len(raw)], dtype=torch.int64), timeout)
         if size is None:
-            protocol._broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), timeout)
+            transfer._broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), timeout)
 
     sending.send_header = send_header
 

@@ -14,7 +14,8 @@ import torch
 
 from prime_rl.utils.secret import require_secret
 from prime_rl.weight_broadcast.client import StoreClient
-from prime_rl.weight_broadcast.protocol import agree, join_group, read_session, receive_header, receive_tensors
+from prime_rl.weight_broadcast.protocol import read_session
+from prime_rl.weight_broadcast.transfer import agree, join_group, receive_header, receive_tensors
 
 CPU = torch.device("cpu")
 HEADER_LIMIT = 1 << 20

@@ -40,7 +40,7 @@ def main() -> None:
     attempt(results, "request a transfer (TCPStore client)", lambda: torch_store().set("request/1", "{}"))
 
     from prime_rl.weight_broadcast.client import StoreClient
-    from prime_rl.weight_broadcast.protocol import join_group
+    from prime_rl.weight_broadcast.transfer import join_group
 
     def guessed(secret: str):
         return StoreClient(host, port, secret, 3)

@@ -65,3 +65,10 @@ def test_renderers_load_it_without_the_modeling_imports(model_dir):
             [sys.executable, "-c", probe, str(model_dir), mode], capture_output=True, text=True, check=True, timeout=120
         ).stdout.split()
         assert out == ["TokenizersBackend", imported], mode
+
+
+def test_the_orchestrator_imports_no_torch():
+    """The orchestrator never runs a model: importing it with torch made unimportable must work (torch would add
+    ~0.5 GiB to its process: advantages are NumPy, the weight-broadcast client and protocol carry no torch)."""
+    probe = "import sys; sys.modules['torch'] = None; import prime_rl.orchestrator.orchestrator"
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)

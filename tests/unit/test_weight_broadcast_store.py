@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 from conftest import TEST_SECRET
 
-from prime_rl.weight_broadcast.client import GroupStore, StoreClient
-from prime_rl.weight_broadcast.protocol import keep_store_alive
+from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.store import HANDSHAKE_SECONDS, MAX_HANDSHAKES, MAX_KEYS, StoreServer, Table
+from prime_rl.weight_broadcast.transfer import GroupStore, keep_store_alive
 from prime_rl.weight_broadcast.wire import (
     MAX_VALUE_BYTES,
     StoreAuthError,

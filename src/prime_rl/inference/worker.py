@@ -48,13 +48,8 @@ class WeightSwapExtension:
 
     def _prime_join(self, settings: dict, spec: dict, expected: dict, joining: Future) -> None:
         from prime_rl.inference.weights import header_problem
-        from prime_rl.weight_broadcast.protocol import (
-            HeaderError,
-            agree,
-            buffer_device,
-            max_header_bytes,
-            receive_header,
-        )
+        from prime_rl.weight_broadcast.protocol import HeaderError, max_header_bytes
+        from prime_rl.weight_broadcast.transfer import agree, buffer_device, receive_header
 
         device = buffer_device(settings["type"], self.device)
         timeout = settings["timeout"]
@@ -84,7 +79,7 @@ class WeightSwapExtension:
     def prime_broadcast_load(self) -> None:
         """Second half, with generation paused: reload every weight in place from the group, layer by layer as the
         buffers arrive."""
-        from prime_rl.weight_broadcast.protocol import receive_tensors
+        from prime_rl.weight_broadcast.transfer import receive_tensors
 
         group, header, device, timeout = self.__dict__.pop("_prime_pending")
         try:
@@ -117,7 +112,8 @@ class WeightSwapExtension:
         earlier trainer is never joined."""
         from prime_rl.utils.secret import require_secret
         from prime_rl.weight_broadcast.client import StoreClient
-        from prime_rl.weight_broadcast.protocol import join_group, read_session
+        from prime_rl.weight_broadcast.protocol import read_session
+        from prime_rl.weight_broadcast.transfer import join_group
 
         groups = self.__dict__.setdefault("_prime_groups", {})
         key = (spec["session"], spec["group"])

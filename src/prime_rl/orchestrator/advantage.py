@@ -18,11 +18,11 @@ learning signal and gets advantages of exactly 0 (never NaN, never rounding nois
 stage. Without a group baseline a constant group keeps a signal (`reinforce`: unless its rewards are 0), so
 `group_has_signal` decides per estimator which groups `filter_zero_advantage` may drop.
 
-All functions keep the rewards' floating dtype (ints become the default float dtype).
+All functions keep the rewards' floating dtype (ints become float64). NumPy, not torch: the orchestrator never
+imports torch (its memory).
 """
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from prime_rl.orchestrator.config import AdvantageConfig
 
@@ -34,26 +34,26 @@ BATCH_CENTERED = ("reinforce_mean", "reinforce_pp")
 it arrives, so `filter_zero_advantage` is refused with them."""
 
 
-def _as_rewards(rewards: Tensor) -> Tensor:
-    rewards = torch.as_tensor(rewards)
-    if rewards.dim() != 2:
+def _as_rewards(rewards: np.ndarray) -> np.ndarray:
+    rewards = np.asarray(rewards)
+    if rewards.ndim != 2:
         raise ValueError(f"rewards must have shape [num_groups, group_size], got {tuple(rewards.shape)}")
-    if not rewards.is_floating_point():
-        rewards = rewards.to(torch.get_default_dtype())
+    if not np.issubdtype(rewards.dtype, np.floating):
+        rewards = rewards.astype(np.float64)
     return rewards
 
 
-def _constant_groups(rewards: Tensor) -> Tensor:
+def _constant_groups(rewards: np.ndarray) -> np.ndarray:
     """[num_groups] bool: True where every reward in the group equals the first one."""
-    return (rewards == rewards[:, :1]).all(dim=1)
+    return (rewards == rewards[:, :1]).all(axis=1)
 
 
-def _zero_constant_groups(advantages: Tensor, rewards: Tensor) -> Tensor:
+def _zero_constant_groups(advantages: np.ndarray, rewards: np.ndarray) -> np.ndarray:
     # r - mean(r) of equal rewards can be off by one ulp (e.g. three 0.1s); force those groups to exact 0.
-    return torch.where(_constant_groups(rewards)[:, None], torch.zeros_like(advantages), advantages)
+    return np.where(_constant_groups(rewards)[:, None], np.zeros_like(advantages), advantages)
 
 
-def grpo_advantages(rewards: Tensor, std_normalize: bool = False, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: np.ndarray, std_normalize: bool = False, eps: float = 1e-6) -> np.ndarray:
     """GRPO: `A_i = r_i - mean(group)`, optionally divided by `std(group) + eps`.
 
     The plain mean baseline (Dr. GRPO) keeps the gradient scale tied to the reward scale and does not
@@ -63,13 +63,13 @@ def grpo_advantages(rewards: Tensor, std_normalize: bool = False, eps: float = 1
     one is defined (std 0, advantage 0) instead of NaN.
     """
     rewards = _as_rewards(rewards)
-    advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    advantages = rewards - rewards.mean(axis=1, keepdims=True)
     if std_normalize:
-        advantages = advantages / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+        advantages = advantages / (rewards.std(axis=1, keepdims=True) + eps)
     return _zero_constant_groups(advantages, rewards)
 
 
-def rloo_advantages(rewards: Tensor) -> Tensor:
+def rloo_advantages(rewards: np.ndarray) -> np.ndarray:
     """RLOO: `A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(group))`.
 
     The baseline of each sample excludes the sample itself, so it is independent of that sample's
@@ -79,12 +79,12 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     rewards = _as_rewards(rewards)
     group_size = rewards.shape[1]
     if group_size < 2:
-        return torch.zeros_like(rewards)
-    advantages = (group_size / (group_size - 1)) * (rewards - rewards.mean(dim=1, keepdim=True))
+        return np.zeros_like(rewards)
+    advantages = (group_size / (group_size - 1)) * (rewards - rewards.mean(axis=1, keepdims=True))
     return _zero_constant_groups(advantages, rewards)
 
 
-def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
+def opo_advantages(rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """OPO: `A_i = r_i - b` with the length-weighted baseline `b = sum_j r_j L_j / sum_j L_j`.
 
     `lengths` ([num_groups, group_size]) are completion lengths in tokens. With a sequence-level
@@ -92,17 +92,17 @@ def opo_advantages(rewards: Tensor, lengths: Tensor) -> Tensor:
     is the variance-minimising constant baseline; with equal lengths it is exactly GRPO's mean.
     """
     rewards = _as_rewards(rewards)
-    lengths = torch.as_tensor(lengths, device=rewards.device)
+    lengths = np.asarray(lengths)
     if lengths.shape != rewards.shape:
         raise ValueError(f"lengths shape {tuple(lengths.shape)} must match rewards shape {tuple(rewards.shape)}")
     if not bool((lengths > 0).all()):
         raise ValueError("opo needs every completion length to be positive")
-    lengths = lengths.to(rewards.dtype)
-    baseline = (rewards * lengths).sum(dim=1, keepdim=True) / lengths.sum(dim=1, keepdim=True)
+    lengths = lengths.astype(rewards.dtype)
+    baseline = (rewards * lengths).sum(axis=1, keepdims=True) / lengths.sum(axis=1, keepdims=True)
     return _zero_constant_groups(rewards - baseline, rewards)
 
 
-def reinforce_advantages(rewards: Tensor, baseline: float = 0.0) -> Tensor:
+def reinforce_advantages(rewards: np.ndarray, baseline: float = 0.0) -> np.ndarray:
     """REINFORCE: `A_i = r_i - b` with a constant `b` that does not depend on the group (0: no baseline).
 
     Unbiased for any `b` that does not depend on the sampled actions; a good `b` (the expected reward, e.g. a
@@ -114,8 +114,8 @@ def reinforce_advantages(rewards: Tensor, baseline: float = 0.0) -> Tensor:
 
 
 def compute_advantages(
-    rewards: Tensor, lengths: Tensor | None, config: AdvantageConfig, baseline: float = 0.0
-) -> Tensor:
+    rewards: np.ndarray, lengths: np.ndarray | None, config: AdvantageConfig, baseline: float = 0.0
+) -> np.ndarray:
     """The per-group stage: advantages of shape [num_groups, group_size] with the estimator chosen by `config`.
 
     `lengths` is only needed by `opo`, `baseline` (the running mean of past rewards) only by `reinforce_mean`.
@@ -140,7 +140,7 @@ def compute_advantages(
     raise ValueError(f"unknown advantage estimator {estimator!r}")
 
 
-def reinforce_pp_advantages(advantages: Tensor, eps: float = 1e-6) -> Tensor:
+def reinforce_pp_advantages(advantages: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """Reinforce++ (Hu et al. 2025, arXiv:2501.03262): `A = (r - mean_batch) / (std_batch + eps)` over every
     rollout of the batch, given `advantages` = r.
 
@@ -150,11 +150,11 @@ def reinforce_pp_advantages(advantages: Tensor, eps: float = 1e-6) -> Tensor:
     more. Population std (unbiased=False), as GRPO's. A batch whose rewards are all equal gets exact zeros.
     """
     if bool((advantages == advantages[:1]).all()):
-        return torch.zeros_like(advantages)
-    return (advantages - advantages.mean()) / (advantages.std(unbiased=False) + eps)
+        return np.zeros_like(advantages)
+    return (advantages - advantages.mean()) / (advantages.std() + eps)
 
 
-def reinforce_pp_baseline_advantages(advantages: Tensor, eps: float = 1e-6) -> Tensor:
+def reinforce_pp_baseline_advantages(advantages: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """Reinforce++-baseline: `A = (r - mean_group) / (std_batch + eps)`, given `advantages` = r - mean_group for
     every rollout of the batch.
 
@@ -164,12 +164,12 @@ def reinforce_pp_baseline_advantages(advantages: Tensor, eps: float = 1e-6) -> T
     The group mean keeps the per-prompt baseline; the batch std (population) sets one scale for all prompts instead
     of GRPO's per-group one, which blows up groups with a small spread.
     """
-    if not bool(advantages.ne(0).any()):  # no signal anywhere: 0, also with eps = 0
-        return torch.zeros_like(advantages)
-    return advantages / (advantages.std(unbiased=False) + eps)
+    if not bool((advantages != 0).any()):  # no signal anywhere: 0, also with eps = 0
+        return np.zeros_like(advantages)
+    return advantages / (advantages.std() + eps)
 
 
-def gpg_advantages(groups: list[Tensor], tokens: list[Tensor] | None = None) -> list[Tensor]:
+def gpg_advantages(groups: list[np.ndarray], tokens: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """GPG (Chu et al. 2025, arXiv:2504.02546): `A = alpha * (r - mean_group)`, given `groups` = r - mean_group,
     with `alpha = B / (B - M)`: B rollouts in the batch, M of them in groups whose advantages are all 0.
 
@@ -179,16 +179,16 @@ def gpg_advantages(groups: list[Tensor], tokens: list[Tensor] | None = None) -> 
     exactly that dilution; without, they count rollouts as in the paper. A batch without any signal keeps its zeros
     (alpha 1). With `filter_zero_advantage` no signal-less group reaches the batch, alpha is 1 and GPG is Dr. GRPO.
     """
-    weights = tokens if tokens is not None else [torch.ones_like(g) for g in groups]
+    weights = tokens if tokens is not None else [np.ones_like(g) for g in groups]
     total = sum(float(w.sum()) for w in weights)
-    signal = sum(float(w.sum()) for g, w in zip(groups, weights, strict=True) if bool(g.ne(0).any()))
+    signal = sum(float(w.sum()) for g, w in zip(groups, weights, strict=True) if bool((g != 0).any()))
     alpha = total / signal if signal else 1.0
     return [g * alpha for g in groups]
 
 
 def normalize_batch_advantages(
-    groups: list[Tensor], config: AdvantageConfig, tokens: list[Tensor] | None = None
-) -> list[Tensor]:
+    groups: list[np.ndarray], config: AdvantageConfig, tokens: list[np.ndarray] | None = None
+) -> list[np.ndarray]:
     """The batch stage, applied once per step to the per-group advantages of every group (or seat) in the batch.
 
     `groups` may differ in size (groups that lost rollouts, seats); the result has the same shapes. Statistics are
@@ -200,12 +200,13 @@ def normalize_batch_advantages(
         return groups
     if estimator == "gpg":
         return gpg_advantages(groups, tokens)
-    flat = torch.cat([g.flatten() for g in groups])
+    flat = np.concatenate([g.ravel() for g in groups])
     if estimator == "reinforce_pp":
         flat = reinforce_pp_advantages(flat, config.eps)
     else:
         flat = reinforce_pp_baseline_advantages(flat, config.eps)
-    return [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in groups]), groups, strict=True)]
+    parts = np.split(flat, np.cumsum([g.size for g in groups])[:-1])
+    return [part.reshape(g.shape) for part, g in zip(parts, groups, strict=True)]
 
 
 def group_has_signal(rewards: list[float], estimator: str) -> bool:
@@ -259,12 +260,12 @@ class RunningMean:
         self.weights = {k: float(v) for k, v in state["weights"].items()}
 
 
-def zero_advantage_groups(advantages: Tensor, atol: float = 0.0) -> Tensor:
+def zero_advantage_groups(advantages: np.ndarray, atol: float = 0.0) -> np.ndarray:
     """[num_groups] bool: True where every advantage of the group has |A| <= atol (no learning signal).
 
     Such groups only cost compute in the trainer, so the orchestrator may drop them.
     """
-    advantages = torch.as_tensor(advantages)
-    if advantages.dim() != 2:
+    advantages = np.asarray(advantages)
+    if advantages.ndim != 2:
         raise ValueError(f"advantages must have shape [num_groups, group_size], got {tuple(advantages.shape)}")
-    return (advantages.abs() <= atol).all(dim=1)
+    return (np.abs(advantages) <= atol).all(axis=1)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 from loguru import logger
 
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
@@ -81,12 +81,12 @@ def batch_samples(
     for group in groups:
         for seat in seat_rewards(group.rollouts):
             idx = [offset + i for i, r in enumerate(group.rollouts) if r.seat == seat]
-            rewards = torch.tensor([[rollouts[i][1].reward for i in idx]], dtype=torch.float64)
+            rewards = np.array([[rollouts[i][1].reward for i in idx]], dtype=np.float64)
             loss_tokens = [sum(sum(s.loss_mask) for s in rollouts[i][1].samples) for i in idx]
-            lengths = torch.tensor([[max(1, n) for n in loss_tokens]])
+            lengths = np.array([[max(1, n) for n in loss_tokens]])
             baseline = (baselines or {}).get(group.env, 0.0)
             per_group.append(compute_advantages(rewards, lengths, config.advantage, baseline)[0])
-            tokens.append(torch.tensor(loss_tokens, dtype=torch.float64))
+            tokens.append(np.array(loss_tokens, dtype=np.float64))
             members.append(idx)
             singletons += len(idx) == 1
         offset += len(group.rollouts)

@@ -1,5 +1,5 @@
 """The weight-broadcast store's client side: `StoreClient`, one authenticated connection to trainer rank 0's
-`StoreServer`, and `GroupStore`, the `torch.distributed.Store` through which gloo and NCCL rendezvous on it."""
+`StoreServer` (no torch: the orchestrator uses it; `transfer.GroupStore` is the gloo/NCCL rendezvous on it)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,8 @@ import os
 import socket
 import struct
 import threading
-import time
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from prime_rl.utils.secret import derive
-from prime_rl.weight_broadcast.store import Table
 from prime_rl.weight_broadcast.wire import (
     MAC_BYTES,
     MAGIC,
@@ -147,41 +142,3 @@ class StoreClient:
 
     def num_keys(self) -> int:
         return int(self._call(b"num_keys")[0])
-
-
-class GroupStore(dist.Store):
-    """One transfer group's rendezvous under `prefix` of a `Table` (trainer rank 0) or a `StoreClient` (a receiver):
-    gloo and NCCL exchange their members' addresses through it, calling these methods from C++."""
-
-    def __init__(self, kv: Table | StoreClient, prefix: str, timeout: float):
-        super().__init__()
-        self.kv, self.prefix, self.seconds = kv, prefix, timeout  # (`timeout` is a read-only property of Store)
-
-    def set(self, key: str, value) -> None:
-        self.kv.set(self.prefix + key, value.encode() if isinstance(value, str) else bytes(value))
-
-    def get(self, key: str) -> bytes:
-        return self.kv.get(self.prefix + key, self.seconds)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (timeout.total_seconds() if timeout else self.seconds)
-        for key in keys:
-            self.kv.get(self.prefix + key, max(0.0, deadline - time.monotonic()))
-
-    def check(self, keys: list[str]) -> bool:
-        return self.kv.check([self.prefix + k for k in keys])
-
-    def add(self, key: str, amount: int) -> int:
-        return self.kv.add(self.prefix + key, amount)
-
-    def compare_set(self, key: str, expected, desired) -> bytes:
-        return self.kv.compare_set(self.prefix + key, bytes(expected), bytes(desired))
-
-    def delete_key(self, key: str) -> bool:
-        return self.kv.delete(self.prefix + key)
-
-    def num_keys(self) -> int:
-        return self.kv.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.seconds = timeout.total_seconds()

@@ -1,7 +1,8 @@
 """The in-memory weight transfer's protocol: the store keys, the requests, and the wire format of one transfer.
 
 Shared by the trainer (`trainer/rl/broadcast.py`), the orchestrator (`orchestrator/broadcast.py`) and the inference
-workers (`inference/worker.py`); torch only. Who writes, reads and deletes each key, and when it stops being valid,
+workers (`inference/worker.py`); no torch (the orchestrator imports none): the groups and the collectives that move
+the header and the tensors are `transfer.py`. Who writes, reads and deletes each key, and when it stops being valid,
 is the table in docs/architecture.md ("The transfer protocol"). In short:
 
 - **Store.** Trainer rank 0 hosts an authenticated store (`store.py`) for its whole life and writes `session`: a fresh
@@ -22,18 +23,10 @@ is the table in docs/architecture.md ("The transfer protocol"). In short:
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
-import time
-import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 
-import torch
-
-from prime_rl.weight_broadcast.client import GroupStore, StoreClient
+from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.store import Table
 
 SESSION = "session"
@@ -126,85 +119,6 @@ def read_session(kv: Table | StoreClient, timeout: float) -> dict:
     return session
 
 
-_GROUP_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Each transfer group's Python store, for as long as the group lives (`keep_store_alive`)."""
-
-
-def keep_store_alive(group, store: GroupStore) -> None:
-    """Hold `store` while `group` lives. NCCL connects lazily, at the group's first collective, and reaches the store
-    from C++ then; a Python store whose Python object is gone fails every such call (pybind finds no method: 'fn
-    INTERNAL ASSERT FAILED ... Not implemented'), which is how the first CUDA run of the broadcast failed."""
-    _GROUP_STORES[group] = store
-
-
-def join_group(kv: Table | StoreClient, group: str, rank: int, world_size: int, backend: str, timeout: float):
-    """This process's member of one transfer group; blocks until every member joined (bounded by `timeout`).
-
-    NCCL's watchdog tears down the whole process when a collective times out (its default error handling); a
-    transfer group is built with error handling 2 (clean up only) instead, so a receiver that dies fails the transfer
-    and not the trainer (`run_collective` also aborts the group itself at its deadline). Untested without GPUs."""
-    store = GroupStore(kv, group_prefix(group), timeout)
-    if backend == "gloo":
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-        group = ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout))
-        keep_store_alive(group, store)
-        return group
-    from torch.distributed.distributed_c10d import ProcessGroupNCCL
-
-    options = ProcessGroupNCCL.Options()
-    options._timeout = timedelta(seconds=timeout)
-    previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read when the group is built: this group only
-    try:
-        group = ProcessGroupNCCL(store, rank, world_size, options)
-        keep_store_alive(group, store)
-        return group
-    finally:
-        if previous is None:
-            del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
-        else:
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
-
-
-def buffer_device(backend: str, device: torch.device) -> torch.device:
-    """Where the transferred buffers live: gloo moves host memory, NCCL GPU memory."""
-    return torch.device("cpu") if backend == "gloo" else device
-
-
-def run_collective(group, work, timeout: float) -> None:
-    """Wait for one collective of a transfer group, at most `timeout` seconds. Gloo enforces the op's timeout itself;
-    an NCCL op only completes on the GPU, so it is polled, and the group aborted at the deadline (a dead peer must
-    fail this transfer, not hang or kill the process)."""
-    if type(group).__name__ != "ProcessGroupNCCL":
-        work.wait()
-        return
-    deadline = time.monotonic() + timeout
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            group.abort()
-            raise TimeoutError(f"an NCCL transfer collective did not complete within {timeout:g} s")
-        time.sleep(0.001)
-    work.wait()
-
-
-def _broadcast(group, tensor: torch.Tensor, timeout: float) -> None:
-    options = torch.distributed.BroadcastOptions()
-    options.rootRank, options.rootTensor = 0, 0
-    options.timeout = timedelta(seconds=timeout)
-    run_collective(group, group.broadcast([tensor], options), timeout)
-
-
-def agree(group, ok: bool, device: torch.device, timeout: float) -> bool:
-    """Whether every member said ok (one MIN all-reduce)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    options = torch.distributed.AllreduceOptions()
-    options.reduceOp = torch.distributed.ReduceOp.MIN
-    options.timeout = timedelta(seconds=timeout)
-    run_collective(group, group.allreduce([flag], options), timeout)
-    return bool(flag.item())
-
-
 class HeaderError(ValueError):
     """A transfer header a receiver refuses before any weight changes."""
 
@@ -273,43 +187,3 @@ def layer_groups(names: list[str]) -> list[list[str]]:
         else:
             layers.setdefault(int(m.group(1)), []).append(name)
     return ([rest] if rest else []) + [layers[i] for i in sorted(layers)]
-
-
-def send_header(group, header: Header, device: torch.device, timeout: float) -> None:
-    raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-    _broadcast(group, torch.tensor([raw.numel()], dtype=torch.int64, device=device), timeout)
-    _broadcast(group, raw.to(device), timeout)
-
-
-def receive_header(group, device: torch.device, limit: int, timeout: float) -> Header:
-    """The header rank 0 sends; `HeaderError` for a size outside 1..`limit` bytes or contents `Header.decode`
-    refuses. After a bad size this member is out of step with the group: the caller drops the group."""
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    _broadcast(group, size, timeout)
-    n = int(size.item())
-    if not 0 < n <= limit:
-        raise HeaderError(f"a transfer header of {n} bytes is outside 1..{limit}, what the served model can need")
-    raw = torch.empty(n, dtype=torch.uint8, device=device)
-    _broadcast(group, raw, timeout)
-    return Header.decode(raw.cpu().numpy().tobytes())
-
-
-def send_tensors(group, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device, timeout: float) -> None:
-    """One group's tensors as one flat buffer (cast to `dtype`), in the header's order."""
-    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=dtype) for t in tensors])
-    _broadcast(group, flat, timeout)
-
-
-def receive_tensors(group, header: Header, device: torch.device, timeout: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the transfer, one group's buffer at a time (a fresh buffer per group: the
-    consumer may keep views of a group until its layer is complete)."""
-    dtype = getattr(torch, header.dtype)
-    for names_shapes in header.groups:
-        numel = sum(math.prod(shape) for _, shape in names_shapes)
-        flat = torch.empty(numel, dtype=dtype, device=device)
-        _broadcast(group, flat, timeout)
-        offset = 0
-        for name, shape in names_shapes:
-            n = math.prod(shape)
-            yield name, flat[offset : offset + n].view(shape)
-            offset += n

@@ -32,17 +32,13 @@ from prime_rl.weight_broadcast.protocol import (
     Header,
     Request,
     ack_key,
-    agree,
-    buffer_device,
     group_prefix,
-    join_group,
     layer_groups,
-    send_header,
-    send_tensors,
     served_key,
     set_json,
 )
 from prime_rl.weight_broadcast.store import StoreServer, Table
+from prime_rl.weight_broadcast.transfer import agree, buffer_device, join_group, send_header, send_tensors
 
 
 class WeightSender:
