@@ -320,8 +320,8 @@ class RolloutWorkers:
 
 class InProcessWorker:
     """`workers = 0`: the rollouts run on the orchestrator's own event loop, behind `RolloutWorkers`' interface. No
-    process to spawn: on a small machine that saves a Python process that imports verifiers and torch (~0.6 GiB PSS
-    on the 2-core machine) and the seconds of CPU it takes to start; the orchestrator's own work per step is small
+    process to spawn: on a small machine that saves a Python process that imports verifiers and the environments,
+    and the seconds of CPU it takes to start; the orchestrator's own work per step is small
     next to the rollouts'. Past one core's worth of rollouts (~45 turns/s), use worker processes."""
 
     def __init__(self, config, level: str):
