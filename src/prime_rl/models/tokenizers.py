@@ -30,7 +30,8 @@ def load_tokenizer(name: str, **kwargs):
 
 
 def is_generic_tokenizer_dir(name: str) -> bool:
-    """A local directory with a `tokenizer.json` whose `tokenizer_config.json` names the generic class, no remote code."""
+    """A local directory with a `tokenizer.json` whose `tokenizer_config.json` names the generic class and no remote
+    code."""
     directory = Path(name)
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text())

@@ -3,13 +3,14 @@ into micro-batches (one forward each).
 
 Samples are concatenated inside a row; position ids restart at 0 for each sample, which is what lets the attention
 kernel treat the row as block-diagonal (no cross-sample attention). Where the kernel computes the whole row anyway
-(sdpa, eager), the samples of a group that share their prompt share one copy of it (`layout_units`): the prompt once,
-then each sample's continuation with positions going on from the prompt's end, and an explicit attention mask
+(sdpa, eager), the samples of a group that share their prompt share one copy of it (`layout_units`): the prompt
+once, then each sample's continuation with positions going on from the prompt's end, and an explicit attention mask
 (`model/logprobs.py: shared_prompt_mask`) lets each continuation see the prompt and itself only. GRPO's 8-16
-rollouts of a prompt then cost one prompt's forward and backward instead of 8-16. How long a row may be depends on the kernel
-(`row_capacity`): a varlen kernel (`flash_attention_2`, or context parallelism) skips the blocks between samples, so
-rows fill `seq_len`; sdpa and eager compute the whole L x L score matrix under a block-diagonal mask, so rows are
-kept as short as the step's longest sample. A micro-batch runs as many rows as fit a token budget as one [B, L]
+rollouts of a prompt then cost one prompt's forward and backward instead of 8-16.
+
+How long a row may be depends on the kernel (`row_capacity`): a varlen kernel (`flash_attention_2`, or context
+parallelism) skips the blocks between samples, so rows fill `seq_len`; sdpa and eager compute the whole L x L score
+matrix under a block-diagonal mask, so rows are kept as short as the step's longest unit. A micro-batch runs as many rows as fit a token budget as one [B, L]
 batch, rows padded to the longest with a padding block of their own (position ids restarting at 0 again,
 loss-masked), or, for `flash_attention_2`, which finds packed samples only in a batch of one row, as one [1, ΣL] row.
 """
@@ -160,7 +161,7 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, share_promp
     """
     groups: dict[object, list[int]] = {}
     for i, sample in enumerate(samples):
-        first_trained = next((t for t, trained in enumerate(sample.loss_mask) if trained), 0)
+        first_trained = sample.loss_mask.index(True) if True in sample.loss_mask else 0
         shared = first_trained - 1 if share_prompts else 0
         key = (shared, array("q", sample.token_ids[:shared]).tobytes()) if shared > 0 else i
         groups.setdefault(key, []).append(i)
