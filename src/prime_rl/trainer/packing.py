@@ -227,6 +227,15 @@ def _build_row(samples: Sequence[TrainingSample], units: Sequence[Unit]) -> Pack
     )
 
 
+def piece_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> bool [..., L]: where a piece of a row starts, i.e. where a position does not follow the one before
+    it (and a row's first token). A piece is a sample, a shared prompt, or a sample's continuation of one; the rule is
+    transformers' `find_packed_sequence_indices`, so every path sees the samples the unsharded `sdpa` path sees."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
+
+
 def pack_units(samples: Sequence[TrainingSample], units: Sequence[Unit], capacity: int) -> list[PackedRow]:
     """Pack the units into as few rows of at most `capacity` positions as FFD finds; every unit lands in one row."""
     bins = first_fit_decreasing([unit.length for unit in units], capacity)

@@ -237,7 +237,8 @@ def next_rows(
     """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
 
     Rows are at most `seq_len` long, or as long as the longest unit where the attention kernel `attn` computes
-    the whole row (`row_capacity`); there a group's samples share one copy of their prompt (`layout_units`). `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
+    the whole row (`row_capacity`); there a group's samples share one copy of their prompt (`layout_units`).
+    `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
     each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
     `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
     raised on every rank with rank 0's message, instead of leaving the other ranks blocked in the next collective.

@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from prime_rl.trainer.packing import MicroBatch, PackedRow, collate, micro_batches, packs_across_samples, padding_row
+from prime_rl.trainer.packing import (
+    MicroBatch,
+    PackedRow,
+    collate,
+    micro_batches,
+    packs_across_samples,
+    padding_row,
+    piece_starts,
+)
 from prime_rl.trainer.parallel.context_parallel import cp_context, gather_row, pad_row, shard_row
 from prime_rl.trainer.parallel.distributed import World
 
@@ -189,13 +197,6 @@ def shift_to_tokens(next_token_values: Tensor, position_ids: Tensor) -> Tensor:
         [next_token_values.new_zeros(*next_token_values.shape[:-1], 1), next_token_values[..., :-1]], -1
     )
     return torch.where(piece_starts(position_ids), 0.0, shifted)
-
-
-def piece_starts(position_ids: Tensor) -> Tensor:
-    """[..., L] -> bool [..., L]: where a position does not follow the one before it (a row's first token too)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
-    return starts
 
 
 def shared_prompt_mask(position_ids: Tensor) -> Tensor | None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, PreTrainedModel
 
-from prime_rl.trainer.packing import PackedRow
+from prime_rl.trainer.packing import PackedRow, piece_starts
 
 CP_ATTENTION = "prime_rl_ulysses"
 """The name under which the CP attention is registered in transformers' AttentionInterface."""
@@ -165,12 +165,11 @@ def pad_row(row: PackedRow, cp: int, pad_token_id: int = 0) -> PackedRow:
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[L, L] bool, True where query q may attend key k: same sample and k <= q.
 
-    A sample starts wherever the position does not follow its predecessor by 1, the rule of transformers'
-    `find_packed_sequence_indices`, so CP sees exactly the samples the unsharded `sdpa`/`eager` paths see.
+    A sample starts wherever the position does not follow its predecessor by 1 (`packing.piece_starts`), so CP sees
+    exactly the samples the unsharded `sdpa`/`eager` paths see.
     """
     position_ids = position_ids.reshape(-1)
-    starts = torch.diff(position_ids, prepend=position_ids[:1] - 1) != 1
-    sample = starts.cumsum(0)
+    sample = piece_starts(position_ids).cumsum(0)
     index = torch.arange(len(position_ids), device=position_ids.device)
     return (sample[:, None] == sample[None, :]) & (index[None, :] <= index[:, None])
 

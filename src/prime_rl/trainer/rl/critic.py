@@ -211,8 +211,8 @@ class PreparedRow:
 
 
 def row_values(model: ValueModel, row: PackedRow, world: World) -> tuple[Tensor, MicroBatch]:
-    """V(s_t) for every token of `row` ([L] fp32, 0 at each piece's first token: `shift_to_tokens`) and the row on the device.
-    One row per forward: every rank has as many rows as the others (`shard_rows`), so as many forwards."""
+    """V(s_t) for every token of `row` ([L] fp32, 0 at each piece's first token: `shift_to_tokens`) and the row on
+    the device. One row per forward: every rank has as many rows as the others (`shard_rows`), so as many forwards."""
     batch = collate([row], concatenate=True).to(world.device)
     values = model(batch.input_ids, batch.position_ids)
     return shift_to_tokens(values, batch.position_ids).view(-1), batch
