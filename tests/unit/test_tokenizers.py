@@ -48,6 +48,12 @@ def test_anything_else_goes_through_auto_tokenizer(model_dir, tmp_path):
     (no_json / "tokenizer.json").unlink()
     assert not is_generic_tokenizer_dir(str(no_json))
     assert not is_generic_tokenizer_dir("Qwen/Qwen3-0.6B")  # a hub id
+    # a caller's own loader (renderers', with its fallbacks) takes the others, with their arguments, and only them
+    calls = []
+    fallback = lambda name, **kwargs: calls.append((name, kwargs)) or "theirs"  # noqa: E731
+    assert load_tokenizer(str(named), fallback=fallback, revision="r") == "theirs"
+    assert type(load_tokenizer(str(model_dir), fallback=fallback)).__name__ == "TokenizersBackend"
+    assert calls == [(str(named), {"revision": "r"})]
 
 
 def test_renderers_load_it_without_the_modeling_imports(model_dir):

@@ -17,16 +17,19 @@ GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 """The `tokenizer_class` names of transformers' generic tokenizer from `tokenizer.json` (5.x and 4.x names)."""
 
 
-def load_tokenizer(name: str, **kwargs):
-    """The tokenizer `AutoTokenizer.from_pretrained(name, **kwargs)` gives, without its imports where it can."""
+def load_tokenizer(name: str, fallback=None, **kwargs):
+    """The tokenizer `AutoTokenizer.from_pretrained(name, **kwargs)` gives, without its imports where it can;
+    `fallback(name, **kwargs)` loads the others (default: `AutoTokenizer.from_pretrained`)."""
     if is_generic_tokenizer_dir(name):
         from transformers import PreTrainedTokenizerFast
 
         kwargs.pop("trust_remote_code", None)  # a local generic tokenizer runs no code
         return PreTrainedTokenizerFast.from_pretrained(name, **kwargs)
-    from transformers import AutoTokenizer
+    if fallback is None:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name, **kwargs)
+        fallback = AutoTokenizer.from_pretrained
+    return fallback(name, **kwargs)
 
 
 def is_generic_tokenizer_dir(name: str) -> bool:

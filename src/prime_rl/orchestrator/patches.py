@@ -142,16 +142,10 @@ def load_tokenizers_lightly() -> None:
     without importing transformers' modeling stack where the directory says which (~120 MiB less per process)."""
     import renderers.base as rb
 
-    from prime_rl.models.tokenizers import is_generic_tokenizer_dir, load_tokenizer
+    from prime_rl.models.tokenizers import load_tokenizer
 
     if getattr(rb._load_tokenizer_via_auto, "_prime_rl", False):
         return
-    original = rb._load_tokenizer_via_auto
-
-    def load(model_name_or_path: str, **kwargs):
-        if is_generic_tokenizer_dir(model_name_or_path):
-            return load_tokenizer(model_name_or_path, **kwargs)
-        return original(model_name_or_path, **kwargs)  # renderers' own, with its fallbacks
-
+    load = functools.partial(load_tokenizer, fallback=rb._load_tokenizer_via_auto)  # renderers' own, with its fallbacks
     load._prime_rl = True
     rb._load_tokenizer_via_auto = load
