@@ -233,7 +233,7 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     try:
         while not (out / "checkpoints" / "step_4" / "trainer" / "COMPLETE").exists() or not batch_path(out, 5).exists():
             assert proc.poll() is None, log1.read_text()[-3000:]
-            time.sleep(0.1)
+            time.sleep(0.02)  # batch 5 is deleted once trained, a fraction of a second after it appears
         tree = run_pids(psutil.Process(proc.pid))
         for p in tree:  # a crash of the whole machine/job: everything dies at once
             p.kill()

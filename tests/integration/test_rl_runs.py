@@ -17,8 +17,6 @@ from conftest import API_KEY
 from rl_run import started_pid
 from test_rl import KEY_VAR, REVERSE_TEXT, run_pids, start_rl, write_config
 
-from prime_rl.batch import batch_path
-
 RUNS = """
 [trainer.model.lora]
 rank = 8
@@ -34,6 +32,13 @@ orchestrator = { adapter = { optim = { lr = 1e-2 } } }
 def run_metrics(run_dir, process: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [m for m in map(json.loads, lines) if m["process"] == process]
+
+
+def orchestrator_steps(run_dir) -> int:
+    """Steps the run's orchestrator has logged so far (a line being written is not counted)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return sum(1 for line in lines if line.endswith("\n") and '"process": "orchestrator"' in line)
 
 
 @pytest.mark.slow
@@ -56,9 +61,10 @@ def test_two_runs_in_one_trainer_and_a_dead_run_ends_alone(tied_server, tmp_path
         cmd += ["--adapter.name", "late", "--max-steps", "3"]
         env = {**os.environ, KEY_VAR: API_KEY}
         joining = subprocess.Popen(cmd, stdout=open(tmp_path / "late.log", "w"), stderr=subprocess.STDOUT, env=env)
-        while not batch_path(high, 2).exists():
+        # Its batch 2 lives only until the trainer trains it (a fraction of a second): wait on its step line instead.
+        while orchestrator_steps(high) < 2:
             assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
+            time.sleep(0.05)
         tree = run_pids(psutil.Process(proc.pid))
         victim.kill()
         code = proc.wait(300)
