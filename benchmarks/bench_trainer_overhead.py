@@ -35,7 +35,15 @@ import torch
 from prime_rl.batch import TrainingSample
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import TrainerConfig
-from prime_rl.trainer.packing import collate, layout_units, pack_samples, pack_units, row_capacity
+from prime_rl.trainer.packing import (
+    FORWARD_COST,
+    collate,
+    layout_units,
+    micro_batches,
+    pack_samples,
+    pack_units,
+    row_capacity,
+)
 from prime_rl.trainer.parallel.distributed import init_distributed
 from prime_rl.trainer.rl.step import train_step
 from prime_rl.trainer.scaffold import build_run
@@ -50,14 +58,17 @@ def demo_model(directory: Path) -> Path:
     return build_tiny_model(TinyModelConfig(**spec))
 
 
-def grpo_samples(vocab: int, samples: int, per_prompt: int, prompt_tokens: int, sample_tokens: int):
-    """`samples` random samples in groups of `per_prompt` sharing their first `prompt_tokens` tokens."""
+def grpo_samples(vocab: int, samples: int, per_prompt: int, prompt_tokens: int, sample_tokens: int, shortest: int):
+    """`samples` random samples in groups of `per_prompt` sharing their first `prompt_tokens` tokens. A group's
+    samples are all L tokens long, L drawn per group from `shortest`..`sample_tokens` (uniform): as in reverse-text,
+    where the answer is as long as the prompt's text."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(samples):
         if i % per_prompt == 0:
             prompt = torch.randint(0, vocab, (prompt_tokens,), generator=g).tolist()
-        completion = torch.randint(0, vocab, (sample_tokens - prompt_tokens,), generator=g).tolist()
+            length = int(torch.randint(shortest, sample_tokens + 1, (), generator=g))
+        completion = torch.randint(0, vocab, (length - prompt_tokens,), generator=g).tolist()
         n = len(completion)
         advantage = float(torch.randn((), generator=g))
         out.append(
@@ -103,15 +114,24 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="samples per step (the demo: 64 rollouts)")
     parser.add_argument("--seq-len", type=int, default=512, help="row length the samples are packed into")
     parser.add_argument("--sample-tokens", type=int, default=123, help="tokens per sample (the demo: ~123)")
+    parser.add_argument("--min-sample-tokens", type=int, help="vary groups' sample lengths down to this")
     parser.add_argument("--prompt-tokens", type=int, default=108, help="of which the prompt (the demo: ~108)")
     parser.add_argument("--rollouts-per-prompt", type=int, default=8, help="samples sharing a prompt (the demo: 8)")
     parser.add_argument("--no-share", action="store_true", help="ours: lay every sample out whole")
+    parser.add_argument(
+        "--stack-all", action="store_true", help="ours: stack as many rows per forward as fit, whatever the padding"
+    )
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="ours: positions per forward")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    shortest = args.min_sample_tokens or args.sample_tokens
+    if not args.prompt_tokens < shortest <= args.sample_tokens:
+        parser.error("need --prompt-tokens < --min-sample-tokens <= --sample-tokens")
+    if args.stack_all:
+        FORWARD_COST.clear()  # every device stacks as many rows as fit (the trainer before its cost model)
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model or demo_model(Path(tmp.name))
@@ -126,7 +146,12 @@ def main() -> None:
     world = init_distributed()
     run = build_run(config, world, "trainer", 1, "benchmarking")
     samples = grpo_samples(
-        run.model.config.vocab_size, args.samples, args.rollouts_per_prompt, args.prompt_tokens, args.sample_tokens
+        run.model.config.vocab_size,
+        args.samples,
+        args.rollouts_per_prompt,
+        args.prompt_tokens,
+        args.sample_tokens,
+        shortest,
     )
     rows = pack_samples(samples, args.seq_len)
     tokens = sum(r.num_tokens for r in rows)
@@ -160,11 +185,14 @@ def main() -> None:
         ),
     }
     params = sum(p.numel() for p in bare.parameters())
+    forwards = micro_batches(our_rows, args.micro_batch_tokens, False, FORWARD_COST.get("cpu", float("inf")))
+    sizes = f"{shortest}-{args.sample_tokens}" if shortest < args.sample_tokens else f"{args.sample_tokens}"
     print(
         f"{params / 1e6:.2f}M params, {args.dtype}, {torch.get_num_threads()} threads; {len(samples)} samples x "
-        f"{args.sample_tokens} tokens in {len(rows)} rows of <= {args.seq_len} ({tokens} tokens, {loss_tokens} scored); "
+        f"{sizes} tokens in {len(rows)} rows of <= {args.seq_len} ({tokens} tokens, {loss_tokens} scored); "
         f"ours: {sum(r.num_tokens for r in our_rows)} positions in {len(our_rows)} rows"
-        f"{' (prompts shared)' if not args.no_share else ''}, <= {args.micro_batch_tokens} positions per forward; "
+        f"{' (prompts shared)' if not args.no_share else ''}, {len(forwards)} forward(s) of <= "
+        f"{args.micro_batch_tokens} positions ({sum(len(g) * g[0].num_tokens for g in forwards)} with padding); "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
     reference = sum(results["bare, a forward per row"])

@@ -192,6 +192,24 @@ def test_micro_batches_fill_a_token_budget_longest_rows_first():
     assert sorted(r.sample_indices[0] for g in micro_batches(rows, 16, False) for r in g) == [0, 1, 2, 3, 4]
 
 
+def test_stacked_micro_batches_split_where_padding_costs_more_than_a_forward():
+    lengths = lambda groups: [[row.num_tokens for row in group] for group in groups]  # noqa: E731
+    # [100, 60] stacked pads 40 positions: cheaper than a second forward of 64, dearer than one of 32
+    assert lengths(micro_batches(rows_of([60, 100]), 1000, False, forward_cost=64)) == [[100, 60]]
+    assert lengths(micro_batches(rows_of([60, 100]), 1000, False, forward_cost=32)) == [[100], [60]]
+    # the cheapest grouping, positions + 64 per forward, over rows 100 90 90 50 50 (380 positions without padding):
+    # all in one 500 + 64 = 564 (what taking each row whose padding is under 64 would give), 100 90 90 | 50 50
+    # 300 + 100 + 128 = 528, 100 | 90 90 | 50 50 380 + 192 = 572
+    rows = rows_of([50, 90, 100, 50, 90])
+    assert lengths(micro_batches(rows, 1000, False, forward_cost=64)) == [[100, 90, 90], [50, 50]]
+    # a budget of 200: 100 90 | 90 | 50 50 costs 390 + 192 = 582, 100 | 90 90 | 50 50 572
+    assert lengths(micro_batches(rows, 200, False, forward_cost=64)) == [[100], [90, 90], [50, 50]]
+    # a forward that costs next to nothing: no padding, in as few forwards as that allows (383); concatenated rows
+    # pad nothing and ignore the cost
+    assert lengths(micro_batches(rows, 1000, False, forward_cost=1)) == [[100], [90, 90], [50, 50]]
+    assert lengths(micro_batches(rows, 1000, True, forward_cost=1)) == [[100, 90, 90, 50, 50]]
+
+
 def test_micro_batches_drop_padding_rows_unless_a_rank_has_nothing_else():
     shards = shard_rows(rows_of([9, 3, 7, 2, 8, 8, 1, 4, 6, 5, 2]), world_size=4)  # 3 rows each, one padding
     assert any(row.is_padding for row in shards[3])

@@ -10,9 +10,11 @@ rollouts of a prompt then cost one prompt's forward and backward instead of 8-16
 
 How long a row may be depends on the kernel (`row_capacity`): a varlen kernel (`flash_attention_2`, or context
 parallelism) skips the blocks between samples, so rows fill `seq_len`; sdpa and eager compute the whole L x L score
-matrix under a block-diagonal mask, so rows are kept as short as the step's longest unit. A micro-batch runs as many rows as fit a token budget as one [B, L]
-batch, rows padded to the longest with a padding block of their own (position ids restarting at 0 again,
-loss-masked), or, for `flash_attention_2`, which finds packed samples only in a batch of one row, as one [1, ΣL] row.
+matrix under a block-diagonal mask, so rows are kept as short as the step's longest unit. A micro-batch runs rows
+that fit a token budget as one [B, L] batch, rows padded to the longest with a padding block of their own (position
+ids restarting at 0 again, loss-masked), or, for `flash_attention_2`, which finds packed samples only in a batch of
+one row, as one [1, ΣL] row. Rows of very different lengths go to different forwards where the padding would cost
+more than the forward (`micro_batches`).
 """
 
 from __future__ import annotations
@@ -345,27 +347,63 @@ def row_capacity(lengths: Sequence[int], seq_len: int, varlen: bool) -> int:
     return seq_len if varlen or not lengths else min(seq_len, max(lengths))
 
 
-def micro_batches(rows: list[PackedRow], max_tokens: int, concatenate: bool) -> list[list[PackedRow]]:
+FORWARD_COST = {"cpu": 64}
+"""What one more forward and backward costs, in positions, by device type: a pass's fixed work (every layer's
+kernels, every parameter's gradient written) over one position's. Measured on the 2-core CPU with plain
+transformers (`benchmarks/bench_trainer_overhead.py` shows the effect): ~5 ms, ~80 positions, for the demo's
+model, ~0.4 s, ~50 positions, for SmolLM2-135M. Unmeasured on GPUs: there rows stack as many as fit, as before."""
+
+
+def micro_batches(
+    rows: list[PackedRow], max_tokens: int, concatenate: bool, forward_cost: float = float("inf")
+) -> list[list[PackedRow]]:
     """Group one rank's rows into micro-batches of at most `max_tokens` positions each, padding included.
 
-    A group of B rows stacked [B, L] computes B x (its longest row) positions, concatenated ones (`concatenate`)
-    the sum of their lengths; a row longer than the budget runs alone. Rows go longest first, so a group's
-    rows are alike in length. The rows' order does not change the gradient (a sum over micro-batches). A padding
-    row only exists to make its rank run a forward, so it is dropped from a group that has real rows and kept in
-    a group that has none. The ranks may end up with different counts: `forward_passes` evens them out.
+    Concatenated rows (`concatenate`: [1, ΣL]) pad nothing, so each group takes rows until the budget is full. A
+    stacked group of B rows ([B, L]) computes B x its longest row, so a short row beside a long one is mostly
+    padding: the groups are the ones that cost least, counting each group's positions plus `forward_cost` positions
+    for each forward (`FORWARD_COST`; infinite: as few forwards as possible). Rows go longest first and a group
+    takes consecutive ones, so that is a short dynamic program. A row longer than the budget runs alone. The rows'
+    grouping does not change the gradient (a sum over micro-batches). A padding row only exists to make its rank
+    run a forward, so it is dropped from a group that has real rows and kept in a group that has none. The ranks
+    may end up with different counts: `forward_passes` evens them out.
     """
     if max_tokens < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {max_tokens}")
     real = sorted((row for row in rows if not row.is_padding), key=lambda row: -row.num_tokens)
     if not real:
         return [rows[:1]] if rows else []
-    groups: list[list[PackedRow]] = []
-    for row in real:
-        group = groups[-1] if groups else None
-        if group:
-            cost = sum(r.num_tokens for r in group) if concatenate else group[0].num_tokens * len(group)
-            if cost + (row.num_tokens if concatenate else group[0].num_tokens) <= max_tokens:
-                group.append(row)
-                continue
-        groups.append([row])
-    return groups
+    if concatenate:
+        groups: list[list[PackedRow]] = []
+        for row in real:
+            if groups and sum(r.num_tokens for r in groups[-1]) + row.num_tokens <= max_tokens:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+        return groups
+    # best[j]: (forwards, positions) of the cheapest grouping of real[:j]; start[j]: where its last group starts
+    best: list[tuple[float, int]] = [(0.0, 0)]
+    start: list[int] = [0]
+    for j in range(1, len(real) + 1):
+        choices = []
+        for i in range(j - 1, -1, -1):  # the last group is real[i:j], as wide as its first (longest) row
+            if i < j - 1 and (j - i) * real[i].num_tokens > max_tokens:
+                break
+            forwards, positions = best[i]
+            choices.append(((forwards + 1, positions + (j - i) * real[i].num_tokens), i))
+        (forwards, positions), i = min(choices, key=lambda c: _cost(*c[0], forward_cost))
+        best.append((forwards, positions))
+        start.append(i)
+    groups, j = [], len(real)
+    while j > 0:
+        groups.append(real[start[j] : j])
+        j = start[j]
+    return groups[::-1]
+
+
+def _cost(forwards: float, positions: int, forward_cost: float) -> tuple[float, ...]:
+    """A grouping's cost, to compare with `min`: positions plus `forward_cost` per forward, or, when that is
+    infinite, the number of forwards first and the positions second."""
+    if forward_cost == float("inf"):
+        return (forwards, positions)
+    return (positions + forward_cost * forwards,)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from prime_rl.trainer.packing import (
+    FORWARD_COST,
     MicroBatch,
     PackedRow,
     collate,
@@ -236,7 +237,8 @@ def model_attention_mask(model: nn.Module, position_ids: Tensor, dtype: torch.dt
 
 def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: World) -> Iterator[MicroBatch]:
     """This rank's rows as the micro-batches of its forward passes, on its device, for `forward_logprobs`:
-    as many rows per forward as fit `max_tokens` positions (`micro_batches`).
+    as many rows per forward as fit `max_tokens` positions, unless padding a short row to a long one costs more
+    than another forward (`micro_batches`, `FORWARD_COST`).
 
     FSDP's collectives run once per forward, so every rank must run as many as the others: the ranks agree on the
     largest count (one small all-reduce) and the ones with fewer add forwards of a padding row, which carry no loss.
@@ -246,7 +248,7 @@ def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: Wor
     """
     cp = world.cp
     concatenate = packs_across_samples(attn, cp)
-    groups = micro_batches(rows, max_tokens, concatenate)
+    groups = micro_batches(rows, max_tokens, concatenate, FORWARD_COST.get(world.device.type, float("inf")))
     if world.world_size > 1:
         counts = torch.zeros(world.world_size, dtype=torch.long, device=world.device)
         counts[world.rank] = len(groups)
