@@ -5,7 +5,8 @@
 
 The batch is GRPO's: `--samples` samples of `--sample-tokens` tokens in groups of `--rollouts-per-prompt` that
 share their first `--prompt-tokens` tokens (random tokens, a random advantage per sample; the defaults are the
-demo's step: 8 prompts of ~108 tokens, 8 rollouts each, ~123 tokens a sample).
+demo's step: 8 prompts of ~108 tokens, 8 rollouts each, ~123 tokens a sample). With `--min-sample-tokens` each
+group's samples are as long as each other but groups differ (drawn between the two), so rows differ in length.
 
 The bare loop is the reference for what one process can do here: the same model (loaded by `from_pretrained`),
 dtype and samples, each sample in full (position ids restarting per sample), the same per-token policy-gradient
@@ -17,7 +18,8 @@ without shared prompts).
 
 Ours is `build_run` (FSDP2 on a one-process gloo group, the chunked log-prob head) + `train_step` +
 `optimizer_step` on the rows the trainer makes: a group's prompt once (`layout_units`), rows as long as the longest
-unit (`row_capacity`), micro-batches of `--micro-batch-tokens`; `--no-share` lays every sample out whole. Timed as
+unit (`row_capacity`), micro-batches of `--micro-batch-tokens` grouped at least cost (`micro_batches`);
+`--no-share` lays every sample out whole, `--stack-all` stacks rows as many as fit whatever the padding. Timed as
 forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then `--steps` timed ones on
 the same batch; the table gives the median step time and tokens/s over the samples' tokens, trained and prompt
 alike (what the bare loop puts through forward and backward).
