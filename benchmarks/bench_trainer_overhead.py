@@ -187,7 +187,9 @@ def main() -> None:
         ),
     }
     params = sum(p.numel() for p in bare.parameters())
-    forwards = micro_batches(our_rows, args.micro_batch_tokens, False, FORWARD_COST.get("cpu", float("inf")))
+    forwards = micro_batches(
+        our_rows, args.micro_batch_tokens, False, FORWARD_COST.get(world.device.type, float("inf"))
+    )
     sizes = f"{shortest}-{args.sample_tokens}" if shortest < args.sample_tokens else f"{args.sample_tokens}"
     print(
         f"{params / 1e6:.2f}M params, {args.dtype}, {torch.get_num_threads()} threads; {len(samples)} samples x "

@@ -30,15 +30,11 @@ orchestrator = { adapter = { optim = { lr = 1e-2 } } }
 
 
 def run_metrics(run_dir, process: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [m for m in map(json.loads, lines) if m["process"] == process]
-
-
-def orchestrator_steps(run_dir) -> int:
-    """Steps the run's orchestrator has logged so far (a line being written is not counted)."""
+    """`process`'s lines in the run's metrics.jsonl so far (a line still being written is not one yet)."""
     path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-    return sum(1 for line in lines if line.endswith("\n") and '"process": "orchestrator"' in line)
+    text = path.read_text() if path.exists() else ""
+    lines = text[: text.rfind("\n") + 1].splitlines()
+    return [m for m in map(json.loads, lines) if m["process"] == process]
 
 
 @pytest.mark.slow
@@ -62,7 +58,7 @@ def test_two_runs_in_one_trainer_and_a_dead_run_ends_alone(tied_server, tmp_path
         env = {**os.environ, KEY_VAR: API_KEY}
         joining = subprocess.Popen(cmd, stdout=open(tmp_path / "late.log", "w"), stderr=subprocess.STDOUT, env=env)
         # Its batch 2 lives only until the trainer trains it (a fraction of a second): wait on its step line instead.
-        while orchestrator_steps(high) < 2:
+        while len(run_metrics(high, "orchestrator")) < 2:
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
         tree = run_pids(psutil.Process(proc.pid))

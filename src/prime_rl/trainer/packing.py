@@ -381,17 +381,19 @@ def micro_batches(
             else:
                 groups.append([row])
         return groups
-    # best[j]: (forwards, positions) of the cheapest grouping of real[:j]; start[j]: where its last group starts
-    best: list[tuple[float, int]] = [(0.0, 0)]
+    # best[j]: (forwards, positions) of the cheapest grouping of real[:j]; start[j]: where its last group starts.
+    # Compared by positions + forward_cost per forward, then by forwards, then positions (all that counts when the
+    # cost is infinite).
+    best: list[tuple[int, int]] = [(0, 0)]
     start: list[int] = [0]
     for j in range(1, len(real) + 1):
         choices = []
         for i in range(j - 1, -1, -1):  # the last group is real[i:j], as wide as its first (longest) row
             if i < j - 1 and (j - i) * real[i].num_tokens > max_tokens:
                 break
-            forwards, positions = best[i]
-            choices.append(((forwards + 1, positions + (j - i) * real[i].num_tokens), i))
-        (forwards, positions), i = min(choices, key=lambda c: _cost(*c[0], forward_cost))
+            forwards, positions = best[i][0] + 1, best[i][1] + (j - i) * real[i].num_tokens
+            choices.append((positions + forward_cost * forwards, forwards, positions, i))
+        _, forwards, positions, i = min(choices)
         best.append((forwards, positions))
         start.append(i)
     groups, j = [], len(real)
@@ -399,11 +401,3 @@ def micro_batches(
         groups.append(real[start[j] : j])
         j = start[j]
     return groups[::-1]
-
-
-def _cost(forwards: float, positions: int, forward_cost: float) -> tuple[float, ...]:
-    """A grouping's cost, to compare with `min`: positions plus `forward_cost` per forward, or, when that is
-    infinite, the number of forwards first and the positions second."""
-    if forward_cost == float("inf"):
-        return (forwards, positions)
-    return (positions + forward_cost * forwards,)
