@@ -199,16 +199,18 @@ def wait_ok(proc: subprocess.Popen, out: Path, timeout: float) -> str:
     return (out / "console.out").read_text()
 
 
-@pytest.mark.parametrize(("k", "workers"), [(0, 0), (1, 1)])
+@pytest.mark.parametrize(("k", "workers"), [(0, 0), (0, 1), (1, 1)])
 def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k, workers):
     """A stand-in trainer publishes pi_n one second after batch n appears. Batch n never contains a token from a
     policy older than n-1-k; with k=0 every token comes from exactly pi_{n-1}. 8 steps, so the bound is active on
     batches k+2..8 (n-1-k > 0), and the reward raises on about half the rollouts of the vf-flaky-env groups, so
     groups arrive short of rollouts: at k=0 that used to deadlock (a batch short of a rollout or two waited for a
-    group that only a policy which could not exist yet would have allowed). k=0 runs the rollouts on the
-    orchestrator's own loop (`workers = 0`), k=1 in a worker process: the same guarantees either way."""
+    group that only a policy which could not exist yet would have allowed). At k=0 each batch's groups start
+    gated on pi_{n-1} while the stand-in trains, so the exact versions say the gate held every model call, on the
+    orchestrator's own loop (`workers = 0`) and in a worker process (told over the socket); k=1 in a worker process:
+    the same guarantees either way."""
     srv = tied_server
-    out = srv.root / "runs" / f"async_k{k}"
+    out = srv.root / "runs" / f"async_k{k}_w{workers}"
     steps = 8
     extra = ("--max-async-level", str(k), "--max-steps", str(steps), "--env", FLAKY_MIX, "--workers", str(workers))
     proc = start_orchestrator(srv, out, *extra)
@@ -231,6 +233,7 @@ def test_async_bound_with_stand_in_trainer(tied_server, tmp_path_factory, k, wor
     if k == 0:  # every step after the first hits the barrier: wait for pi_{n-1}, then swap
         assert "batch 2 needs policy step 1" in log and "waiting for" in log
         assert all(m["time/wait_for_weights"] > 0 for m in rows[1:])
+        assert sum(m["groups_started/gated"] for m in rows) >= steps - 1  # each later batch began during training
     assert (out / "logs" / "orchestrator_worker_0.log").exists() == (workers > 0)  # a worker process logs there
 
 

@@ -2,7 +2,7 @@
 
 Their own module because both sides of the ZeroMQ socket use them, and so do the callers that never start a
 worker process (eval, synthesize, the scheduler's tests): `RolloutResult` is what every consumer of rollouts reads.
-The orchestrator sends `ToWorker` (a group to run, or shut down); a worker answers with `FromWorker` (a finished
+The orchestrator sends `ToWorker` (a group to run, the policy step the servers now serve, or shut down); a worker answers with `FromWorker` (a finished
 group, ready after loading its environments, or the error that kept it from loading them).
 """
 
@@ -28,6 +28,15 @@ class RunGroup(msgspec.Struct, tag=True):
     temperature: float | None = None
     """The temperature the group samples at (the orchestrator's temperature scaling); None: `sampling.temperature`.
     A seat that sets its own temperature keeps it."""
+    policy_gate: int | None = None
+    """A group started before the policy its batch needs: its model calls wait until the servers serve this step
+    (`PolicyServed`); None: they go out at once."""
+
+
+class PolicyServed(msgspec.Struct, tag=True):
+    """The servers serve policy `step` now: model calls gated on it (or older) may go."""
+
+    step: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -84,5 +93,5 @@ class Failed(msgspec.Struct, tag=True):
     message: str
 
 
-ToWorker = RunGroup | Shutdown
+ToWorker = RunGroup | PolicyServed | Shutdown
 FromWorker = GroupDone | Ready | Failed

@@ -1,5 +1,5 @@
-"""What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions,
-a cache for a pydantic check verifiers repeats on every model turn, aiohttp's connection pool under the client
+"""What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions
+(and the policy gate in front of each model call), a cache for a pydantic check verifiers repeats on every model turn, aiohttp's connection pool under the client
 that calls the server, and tokenizers loaded without transformers' modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
@@ -8,6 +8,11 @@ turn) to record it, keyed by the trace id verifiers sends as `X-Session-ID`; `re
 versions with `take_versions`. In adapter mode they are not used: vLLM labels tokens with the base weights' version
 whichever adapter sampled them, so the scheduler counts the group at the policy it was started on.
 
+Policy gate: the same wrapper holds a model call whose sampling carries `GATE_KEY` until `POLICY_GATE` says the
+servers serve that policy step (the key is taken out of what is sent). The scheduler starts a group for the next
+policy while the trainer still trains it: everything before the group's first model call (the task, the runtime,
+the program, rendering the prompt) overlaps training instead of following it (docs/orchestrator.md).
+
 Their own module because they patch other packages' functions process-wide, apart from the code that runs rollouts:
 `worker_main` installs them all in each worker process, eval's in-process `Worker` all but the versions (it trains
 nothing, so it needs none). Each is idempotent and changes nothing else those packages do.
@@ -15,6 +20,7 @@ nothing, so it needs none). Each is idempotent and changes nothing else those pa
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
@@ -25,6 +31,46 @@ from prime_rl.orchestrator.samples import expand_version_spans
 _captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
 _pooled_clients: weakref.WeakSet = weakref.WeakSet()
 _response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
+
+GATE_KEY = "prime_rl_policy_gate"
+"""Sampling key of a group started before its policy: the step its model calls wait for (never sent to a server)."""
+
+
+class PolicyGate:
+    """The policy step the servers serve, as the scheduler last said, and the model calls waiting for a newer one.
+
+    One per process (the model calls reach it through a process-wide patch); futures are made on the waiting loop,
+    so it outlives loops. A wait ends when the scheduler announces the step, or with the run: the scheduler bounds
+    its own wait for the trainer's weights (`stall_timeout`) and a worker process exits with the orchestrator."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing served yet (a run starting in this process)."""
+        self.served = -1
+        self.waiters: list[tuple[int, asyncio.Future]] = []
+
+    def advance(self, step: int) -> None:
+        """The servers now serve `step`: release every call waiting for it or an older one."""
+        self.served = max(self.served, step)
+        waiting = []
+        for gate, future in self.waiters:
+            if gate > self.served:
+                waiting.append((gate, future))
+            elif not future.done():
+                future.set_result(None)
+        self.waiters = waiting
+
+    async def wait(self, step: int) -> None:
+        if step <= self.served:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self.waiters.append((step, future))
+        await future
+
+
+POLICY_GATE = PolicyGate()
 
 
 def install_version_capture() -> None:
@@ -43,6 +89,11 @@ def install_version_capture() -> None:
         return data
 
     async def generate_and_record(*args, **kwargs):
+        sampling = kwargs.get("sampling_params") or {}
+        if GATE_KEY in sampling:
+            sampling = dict(sampling)
+            await POLICY_GATE.wait(sampling.pop(GATE_KEY))
+            kwargs["sampling_params"] = sampling
         sink: list = []
         token = _response_sink.set(sink)
         try:

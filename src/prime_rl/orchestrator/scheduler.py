@@ -11,6 +11,15 @@ the batch being filled itself needs a newer policy, the scheduler waits for the 
 (the async barrier). Newer published weights are loaded as soon as they appear, so most groups run on a fresher
 policy than required.
 
+The rollouts do not idle while the trainer trains: when no group the served policy may run is in flight and
+those finished cover every batch it may serve (at k = 0: the batch is complete), the next groups start *gated* on
+the next policy step. They set up (task, runtime, program, rendered prompt) at once, and their model calls wait in
+the worker until the scheduler announces that the servers serve that step (`patches.PolicyGate`): the set-up
+overlaps the trainer's step instead of following it. Not earlier: set-up beside running groups competes with them
+for the worker's event loop and delays the batch the trainer waits for. Gated groups count towards batches only
+after groups that can finish now, and a batch short of rollouts (a group failed) always gets an ungated group, so
+groups waiting for a policy never hold up the batch the trainer needs to make that policy.
+
 A group's version is the oldest policy that produced any of its tokens: vLLM's per-token versions where it
 reports them, else the policy served when the group started (always in adapter mode, where vLLM labels tokens with
 the base weights' version). Its requests name the model of the policy it started on: in adapter mode the base model
@@ -81,6 +90,8 @@ class Group:
     rollouts: list[RolloutResult] = field(default_factory=list)
     temperature: float | None = None
     """The temperature the group was (last) started at by the temperature scaling; None: `sampling.temperature`."""
+    gate: int | None = None
+    """The policy step its model calls wait for (started before the servers served it); None: none."""
 
     @property
     def version(self) -> int:
@@ -109,6 +120,8 @@ class StepStats:
     filtered: int = 0
     worker_loop_lag: float = 0.0
     groups_per_server: dict[str, int] = field(default_factory=dict)
+    gated: int = 0
+    """Groups started before their policy was served (they set up while the trainer trained it)."""
 
 
 class Liveness:
@@ -199,6 +212,8 @@ class Scheduler:
         self.ids = itertools.count()
         self.stats = StepStats()
         self.target_inflight = config.groups_in_flight
+        self.announced = -1
+        """The newest policy step the workers were told the servers serve."""
         unusable_limit = max(16, 2 * config.groups_per_batch)
         self.liveness = Liveness(config.stall_timeout, unusable_limit, config.seq_len)
         # With an in-memory broadcast the trainer waits until its new policy is taken: look for it often (a look is
@@ -254,36 +269,58 @@ class Scheduler:
 
     # -- groups --------------------------------------------------------------------------------------------
 
-    def rollouts_counted(self) -> int:
-        """Rollouts that count towards the batches being filled: finished trainable ones, plus what the groups in
-        flight should bring (`rollouts_per_example` each; one that brings fewer makes room for another group)."""
-        return trained_rollouts(self.finished) + self.config.rollouts_per_example * len(self.inflight)
+    def gated(self, group: Group) -> bool:
+        return group.gate is not None and group.gate > self.servers.version
+
+    def next_group_gate(self, filling: int) -> int | None:
+        """The policy step the next group would wait for: None if it may run now, `version + 1` if it may start gated,
+        -1 if it may not start at all.
+
+        Rollouts count towards the batches being filled in order: finished trainable ones, then what the groups
+        that can run now should bring (`rollouts_per_example` each; one that brings fewer makes room for another
+        group), then the gated groups'. A new group is for the first batch they do not cover."""
+        rpe, version = self.config.rollouts_per_example, self.servers.version
+        gated = sum(1 for g in self.inflight.values() if self.gated(g))
+        running = len(self.inflight) - gated
+        counted = trained_rollouts(self.finished) + rpe * running
+        if min_policy_for(target_batch(filling, counted, self.config.batch_size), self.k) <= version:
+            return None if running < self.target_inflight else -1
+        needed = min_policy_for(target_batch(filling, counted + rpe * gated, self.config.batch_size), self.k)
+        if needed > version + 1 or running or len(self.inflight) >= self.target_inflight or self.retry_queue:
+            return -1  # one policy ahead at most; only beside no running group; a retry runs ungated, when needed
+        return version + 1
 
     async def top_up(self, filling: int) -> None:
-        """Start groups until `target_inflight` are in flight, as far as the policy bound allows."""
-        while len(self.inflight) < self.target_inflight:
+        """Start groups until `target_inflight` are in flight, as far as the policy bound allows: ungated while the
+        served policy may run them, then gated on the next policy."""
+        while (gate := self.next_group_gate(filling)) != -1:
             url = self.servers.least_loaded()
             if url is None:
                 return  # every server is recovering
-            batch = target_batch(filling, self.rollouts_counted(), self.config.batch_size)
-            if self.servers.version < min_policy_for(batch, self.k):
-                return  # a group started now would be too old for the batch it is for
+            start_version = self.servers.version if gate is None else gate
             if self.retry_queue:
                 group = self.retry_queue.pop(0)
-                group.start_version, group.url, group.attempts = self.servers.version, url, group.attempts + 1
-                group.rollouts, group.started = [], time.perf_counter()
+                group.start_version, group.url, group.attempts = start_version, url, group.attempts + 1
+                group.rollouts, group.started, group.gate = [], time.perf_counter(), gate
                 self.stats.retries += 1
             else:
                 env, idx = self.buffer.sample_task()
                 tasks = self.tasks[env]
                 task = tasks.next() if tasks.size is None else tasks[idx]
-                group = Group(next(self.ids), env, idx, task, self.servers.version, url)
+                group = Group(next(self.ids), env, idx, task, start_version, url, gate=gate)
             await self._submit(group)
+
+    async def announce_policy(self) -> None:
+        """Tell the workers which policy the servers serve, once per new step: gated model calls go."""
+        if self.servers.version > self.announced:
+            self.announced = self.servers.version
+            await self.workers.policy_served(self.announced)
 
     async def _submit(self, group: Group) -> None:
         self.inflight[group.id] = group
         self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
+        self.stats.gated += group.gate is not None
         if self.temperatures is not None:
             group.temperature = self.temperatures.temperature(group.env)
         request = RunGroup(
@@ -294,6 +331,7 @@ class Scheduler:
             base_url=group.url,
             model=self.servers.model_name(group.start_version, self.config.model.api_name),
             temperature=group.temperature,
+            policy_gate=group.gate,
         )
         await self.workers.submit(request)
 
@@ -372,7 +410,9 @@ class Scheduler:
         self.finished = usable
         while trained_rollouts(self.finished) < self.config.batch_size:
             self._check_fatal()
+            await self.top_up(batch)  # before a wait for the trainer: gated groups set up meanwhile
             await self.ensure_policy(batch)
+            await self.announce_policy()
             await self.top_up(batch)
             if not self.inflight and not self.servers.recovering:
                 raise StallError(  # cannot happen while the accounting above holds; never loop silently if it does

@@ -29,6 +29,7 @@ from prime_rl.orchestrator.messages import (
     Failed,
     FromWorker,
     GroupDone,
+    PolicyServed,
     Ready,
     RolloutResult,
     RunGroup,
@@ -36,6 +37,8 @@ from prime_rl.orchestrator.messages import (
     ToWorker,
 )
 from prime_rl.orchestrator.patches import (
+    GATE_KEY,
+    POLICY_GATE,
     cache_default_factory_signatures,
     close_pooled_clients,
     install_version_capture,
@@ -121,6 +124,8 @@ class Worker:
         if request.temperature is not None:
             # Every seat's sampling is merged over the context's (verifiers' resolve_agent), so the trace records it.
             sampling = sampling.model_copy(update={"temperature": request.temperature})
+        if request.policy_gate is not None:  # carried to the model call, which waits for the policy (`patches`)
+            sampling = sampling.model_copy(update={GATE_KEY: request.policy_gate})
         ctx = self.vf.ModelContext(model=model, client=self.clients[request.base_url], sampling=sampling)
 
         async def one(index: int) -> list[RolloutResult]:
@@ -196,6 +201,9 @@ async def _serve(config, index: int, address: str) -> None:
             message = decoder.decode(await socket.recv())
             if isinstance(message, Shutdown):
                 break
+            if isinstance(message, PolicyServed):
+                POLICY_GATE.advance(message.step)
+                continue
             task = asyncio.create_task(run_and_reply(message))
             running.add(task)
             task.add_done_callback(running.discard)
@@ -287,6 +295,11 @@ class RolloutWorkers:
         self.owner[request.id] = worker
         await self.socket.send_multipart([self.identities[worker], self.encoder.encode(request)])
 
+    async def policy_served(self, step: int) -> None:
+        """Tell every worker the servers serve `step` (after the groups sent before: one socket keeps the order)."""
+        for identity in self.identities.values():
+            await self.socket.send_multipart([identity, self.encoder.encode(PolicyServed(step))])
+
     async def receive(self, timeout: float) -> GroupDone | None:
         """The next finished group, or None after `timeout` seconds."""
         if not await self.socket.poll(int(timeout * 1000)):
@@ -337,6 +350,7 @@ class InProcessWorker:
 
     async def ready(self) -> None:
         install_worker_patches(self.level)
+        POLICY_GATE.reset()  # a process may run several orchestrators in turn (tests do)
         self.worker = Worker(self.config, 0, training=True)
         # Entered (and so exited, in `close`) in the orchestrator's task: the servers' task groups need that.
         await self.stack.enter_async_context(serving(self.worker))
@@ -345,6 +359,9 @@ class InProcessWorker:
         task = asyncio.create_task(self.worker.run_group(request))
         self.running.add(task)
         task.add_done_callback(self._finished)
+
+    async def policy_served(self, step: int) -> None:
+        POLICY_GATE.advance(step)
 
     def _finished(self, task: asyncio.Task) -> None:
         self.running.discard(task)
