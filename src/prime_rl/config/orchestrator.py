@@ -321,8 +321,8 @@ class OrchestratorConfig(EntrypointConfig):
     """Times a group whose rollouts failed on the inference server (connection, 5xx) is retried."""
 
     weights_poll_interval: float = Field(0.5, gt=0)
-    """Seconds between looks for newly published trainer weights (at most 0.05 with an in-memory broadcast, where the
-    trainer waits until its policy is taken)."""
+    """Seconds between looks for newly published trainer weights (with an in-memory broadcast, where the trainer waits
+    until its policy is taken: at most 0.05, and 0.005 while a batch waits for them)."""
 
     stall_timeout: float = Field(1800.0, gt=0)
     """Seconds without progress (an accepted group, or weights the next batch needs) before the run fails, naming

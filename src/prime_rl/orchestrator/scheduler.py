@@ -217,9 +217,11 @@ class Scheduler:
         unusable_limit = max(16, 2 * config.groups_per_batch)
         self.liveness = Liveness(config.stall_timeout, unusable_limit, config.seq_len)
         # With an in-memory broadcast the trainer waits until its new policy is taken: look for it often (a look is
-        # one store request), so the trainer hardly waits. Files on a shared filesystem are looked for less often.
+        # one store request), so the trainer hardly waits, and every 5 ms while a batch cannot start without it (at
+        # k = 0 every step: the rollouts wait for it too). Files on a shared filesystem are looked for less often.
         broadcast = config.weight_broadcast.in_memory
         self.poll = min(config.weights_poll_interval, 0.05) if broadcast else config.weights_poll_interval
+        self.weights_poll = min(config.weights_poll_interval, 0.005) if broadcast else config.weights_poll_interval
 
     # -- policy --------------------------------------------------------------------------------------------
 
@@ -237,7 +239,7 @@ class Scheduler:
         logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
         while (latest := self.servers.latest_published()) < step:
-            await asyncio.sleep(self.poll)
+            await asyncio.sleep(self.weights_poll)
             self._check_fatal()
             now = time.monotonic()
             if now - start > self.config.stall_timeout:

@@ -36,7 +36,7 @@ def wait_until(
     while True:
         event: object = None
         if world.is_main:
-            last_event, delay = time.monotonic(), 0.01
+            last_event, delay = time.monotonic(), 0.002
             while event is None:
                 now = time.monotonic()
                 if ready():
@@ -52,7 +52,7 @@ def wait_until(
                         logger.warning(f"waiting {now - start:.0f} s for {what}")
                         next_warning += warn_every
                     time.sleep(max(0.0, min(delay, next_warning - now)))
-                    delay = min(2 * delay, 0.25 if sender is None else 0.01)  # a transfer request: answered at once
+                    delay = min(2 * delay, 0.25 if sender is None else 0.002)  # a transfer request: answered at once
         event = broadcast_object(event, world)
         if isinstance(event, Exception):
             raise event
