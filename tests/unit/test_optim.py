@@ -258,3 +258,27 @@ def test_optimizer_state_moves_shard_by_shard_and_leaves_step_counts():
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"].dim() == 0
     for key, value in before.items():
         assert torch.equal(state[key], value), key
+
+
+def test_adamw_on_cpu_runs_fused_and_matches_the_per_tensor_loop():
+    """On CPU `build_optimizer` picks the fused AdamW kernel (torch's default there is a Python loop, ~8x slower at
+    135M parameters). Same update, other operation order: after 3 steps with weight decay the parameters agree within
+    2 float32 ulps of the largest one (|p| ~ 4: ulp 4.8e-7; measured 3e-8); a wrong hyperparameter or a skipped step
+    would differ by ~lr = 1e-2."""
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    config = AdamWConfig(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95))
+    fused = [torch.nn.Parameter(p.clone()) for p in start]
+    loop = [torch.nn.Parameter(p.clone()) for p in start]
+    ours = build_optimizer(fused, config)
+    reference = torch.optim.AdamW(loop, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), foreach=False)
+    assert ours.defaults["fused"] is True
+    for step in grads:
+        for opt, params in ((ours, fused), (reference, loop)):
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, s in zip(fused, loop, start, strict=True):
+        assert (a - s).abs().max() > 1e-2  # it moved
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

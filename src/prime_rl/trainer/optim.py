@@ -39,7 +39,13 @@ def build_optimizer(params: Iterable[torch.Tensor] | Iterable[dict], config: Opt
     """Build the configured torch optimizer; FSDP2 DTensor parameters are passed through unchanged."""
     params = list(params)
     if isinstance(config, AdamWConfig):
-        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        # On CPU torch defaults to a Python loop over the tensors; its fused kernel is one vectorised pass, the same
+        # update up to float rounding (SmolLM2-135M, 2 threads: 0.35 s -> 0.04 s a step). Elsewhere torch's default.
+        tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        return torch.optim.AdamW(
+            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=on_cpu or None
+        )
     if isinstance(config, SGDConfig):
         return torch.optim.SGD(
             params,
