@@ -2,8 +2,9 @@
 
 Their own module because both sides of the ZeroMQ socket use them, and so do the callers that never start a
 worker process (eval, synthesize, the scheduler's tests): `RolloutResult` is what every consumer of rollouts reads.
-The orchestrator sends `ToWorker` (a group to run, the policy step the servers now serve, or shut down); a worker answers with `FromWorker` (a finished
-group, ready after loading its environments, or the error that kept it from loading them).
+The orchestrator sends `ToWorker` (a group to run, the policy step the servers now serve, or shut down); a worker
+answers with `FromWorker` (a finished group, ready after loading its environments, or the error that kept it from
+loading them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions
-(and the policy gate in front of each model call), a cache for a pydantic check verifiers repeats on every model turn, aiohttp's connection pool under the client
-that calls the server, and tokenizers loaded without transformers' modeling imports.
+(and the policy gate in front of each model call), a cache for a pydantic check verifiers repeats on every model
+turn, aiohttp's connection pool under the client that calls the server, and tokenizers loaded without transformers'
+modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
 drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model

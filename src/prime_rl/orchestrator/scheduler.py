@@ -272,6 +272,7 @@ class Scheduler:
     # -- groups --------------------------------------------------------------------------------------------
 
     def gated(self, group: Group) -> bool:
+        """Its model calls still wait: it was started for a policy the servers do not serve yet."""
         return group.gate is not None and group.gate > self.servers.version
 
     def next_group_gate(self, filling: int) -> int | None:
