@@ -188,6 +188,50 @@ def test_the_tiny_model_gets_the_gradients_of_the_unchunked_head(model_dir):
         )
 
 
+def test_only_positions_that_predict_trained_tokens_are_scored(model_dir, monkeypatch):
+    """Samples of prompt + completion, padded to one length: the head scores only the positions whose next token is
+    on the loss mask. Trained tokens get the values and every parameter the gradient of scoring every position."""
+    from prime_rl.trainer.model import logprobs as module
+
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for prompt, completion in ((6, 5), (4, 9), (7, 2)):
+        row = row_of([torch.randint(0, 400, (prompt + completion,), generator=g).tolist()], temperature=0.8)
+        row.loss_mask[:prompt] = False
+        rows.append(row)
+    batch = collate(rows, concatenate=False)  # [3, 13]: 6 of its 39 positions are padding
+    every = collate(rows, concatenate=False)
+    every.loss_mask = torch.ones_like(every.loss_mask)  # the same rows, every position scored
+    trained = batch.loss_mask
+    weights = torch.randn(trained.shape, generator=g)
+
+    sizes = []
+    real = module.chunked_logprobs
+    monkeypatch.setattr(
+        module, "chunked_logprobs", lambda hidden, *a: sizes.append(hidden.shape[0]) or real(hidden, *a)
+    )
+    results = {}
+    for name, b in (("trained", batch), ("every", every)):
+        model = load(model_dir, chunk=4)
+        logp, entropy = forward_logprobs(model, b)
+        (weights * torch.where(trained, logp, 0.0)).sum().backward()
+        results[name] = logp, entropy, {n: p.grad for n, p in model.named_parameters()}
+    assert sizes == [16, 36]  # the 16 trained tokens' predecessors; every position but each row's last
+
+    (logp, entropy, grads), (every_logp, every_entropy, every_grads) = results["trained"], results["every"]
+    assert bool((logp[~trained] == 0).all()) and bool((entropy[~trained] == 0).all())
+    assert bool((every_entropy[~trained & (batch.position_ids > 0)] > 0).all())  # which the full path does score
+    # fp32, the same kernels over fewer rows: 1e-5 as in the unchunked comparison above.
+    torch.testing.assert_close(logp[trained], every_logp[trained], rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy[trained], every_entropy[trained], rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        scale = every_grads[name].abs().max().item()  # as above: the reordered sum's error scales with its terms
+        assert scale > 0, name
+        torch.testing.assert_close(
+            grad, every_grads[name], rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def test_concatenated_and_padded_micro_batches_score_alike(model):
     """flash_attention_2 gets the micro-batch as one concatenated row, sdpa as padded rows: same per-token values."""
     g = torch.Generator().manual_seed(2)
@@ -257,6 +301,7 @@ def test_continuations_of_a_shared_prompt_score_as_the_samples_alone(model_dir, 
         shared.input_ids = torch.cat([shared.input_ids, torch.tensor([piece])], 1)
         shared.position_ids = torch.cat([shared.position_ids, torch.arange(5, 5 + len(piece))[None]], 1)
     shared.temperatures = torch.full(shared.input_ids.shape, 0.8)
+    shared.loss_mask = torch.ones(shared.input_ids.shape, dtype=torch.bool)
     with torch.no_grad():
         logp, entropy = forward_logprobs(model, shared)
     start = 5

@@ -114,6 +114,7 @@ class LogProbHead(nn.Module):
         self.chunk = chunk
         self.targets: Tensor | None = None
         self.temperatures: Tensor | None = None
+        self.scored: Tensor | None = None
         self.output: Tensor | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
@@ -122,9 +123,16 @@ class LogProbHead(nn.Module):
         if hidden.shape[:-1] != self.targets.shape:
             raise RuntimeError(f"hidden states {tuple(hidden.shape)} do not match targets {tuple(self.targets.shape)}")
         flat = hidden.reshape(-1, hidden.shape[-1])
-        logp, entropy = chunked_logprobs(
-            flat, self.weight, self.targets.reshape(-1), self.temperatures.reshape(-1), self.chunk
-        )
+        targets, temperatures = self.targets.reshape(-1), self.temperatures.reshape(-1)
+        if self.scored is None:
+            logp, entropy = chunked_logprobs(flat, self.weight, targets, temperatures, self.chunk)
+        else:  # only the positions asked for: the head's matmuls, forward and backward, scale with their count
+            index = self.scored.reshape(-1).nonzero()[:, 0]
+            part_logp, part_entropy = chunked_logprobs(
+                flat.index_select(0, index), self.weight, targets[index], temperatures[index], self.chunk
+            )
+            logp = part_logp.new_zeros(flat.shape[0]).index_copy(0, index, part_logp)
+            entropy = part_entropy.new_zeros(flat.shape[0]).index_copy(0, index, part_entropy)
         shape = hidden.shape[:-1]
         self.output = torch.stack([logp.view(shape), entropy.view(shape)], dim=-1)  # not a view: FSDP hooks it
         return self.output
@@ -155,33 +163,35 @@ def next_token_logprobs(
     targets: Tensor,
     temperatures: Tensor,
     attention_mask: Tensor | None = None,
+    scored: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """log p(targets[b, t] | tokens <= t) under logits / temperatures[b, t], and that distribution's entropy.
 
     All [B, L]. `targets` are explicit so a caller can score a slice of a row whose last target lies beyond
-    it. No KV cache. Without `attention_mask` ([B, 1, L, L], `model_attention_mask`) transformers derives a
+    it. `scored` (bool, [B, L]): the positions to score, 0 at the others (None: all). No KV cache. Without `attention_mask` ([B, 1, L, L], `model_attention_mask`) transformers derives a
     block-diagonal mask (or varlen flash attention) from the position ids restarting at 0, so packed samples never
     see each other.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, LogProbHead):
         raise HeadError("the model has no LogProbHead: call install_logprob_head before sharding")
-    head.targets, head.temperatures = targets, temperatures
+    head.targets, head.temperatures, head.scored = targets, temperatures, scored
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
-        scored, returned = head.output, out.logits
+        output, returned = head.output, out.logits
     finally:
-        head.targets = head.temperatures = head.output = None
-    if returned is not scored:
+        head.targets = head.temperatures = head.scored = head.output = None
+    if returned is not output:
         raise HeadError(
             f"{type(model).__name__}'s forward changes the output layer's result (e.g. soft-capping or scaling "
             "the logits); the trainer's chunked log-prob head cannot score it"
         )
-    return scored[..., 0], scored[..., 1]
+    return output[..., 0], output[..., 1]
 
 
 def next_token_targets(input_ids: Tensor) -> Tensor:
-    """[B, L] -> the token after each position ([B, L]; 0 at the last, whose prediction is never used)."""
+    """[B, L] -> the token (or any per-token value) after each position ([B, L]; 0 at the last, whose prediction is
+    never used)."""
     targets = torch.zeros_like(input_ids)
     targets[:, :-1] = input_ids[:, 1:]
     return targets
@@ -265,7 +275,9 @@ def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: Wor
 def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = None) -> tuple[Tensor, Tensor]:
     """The forward of a micro-batch ([B, L] tensors on the model's device): log p(token t | what precedes it
     in its sample) under the sampling temperature, and the entropy of that distribution; both [B, L] fp32,
-    0 at each piece's first token (`shift_to_tokens`). Both training loops run every forward through here.
+    0 at each piece's first token (`shift_to_tokens`) and at every token off the loss mask: the head scores only
+    the positions that predict a trained token (no prompt, no padding), as every caller reads no others. Both
+    training loops and the reference run every forward through here.
 
     With context parallelism (`world.cp` > 1, inside `forward_passes`' context) this rank runs the model on its
     chunk of the row, scoring each position's next token taken from the whole row (a chunk's last position
@@ -273,11 +285,13 @@ def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = 
     row's values, and backward sends each rank only the gradient of its own chunk.
     """
     targets = next_token_targets(batch.input_ids)
-    tensors = (batch.input_ids, batch.position_ids, targets, batch.temperatures)
+    scored = next_token_targets(batch.loss_mask)  # position t is scored when token t + 1 is trained
+    tensors = (batch.input_ids, batch.position_ids, targets, batch.temperatures, scored)
     if world is None or world.cp == 1:
         mask = model_attention_mask(model, batch.position_ids, model.get_output_embeddings().weight.dtype)
-        logp, entropy = next_token_logprobs(model, *tensors, attention_mask=mask)
+        logp, entropy = next_token_logprobs(model, *tensors[:4], attention_mask=mask, scored=scored)
     else:
-        logp, entropy = next_token_logprobs(model, *(shard_row(t, world.cp_rank, world.cp) for t in tensors))
+        ids, positions, targets, temperatures, scored = (shard_row(t, world.cp_rank, world.cp) for t in tensors)
+        logp, entropy = next_token_logprobs(model, ids, positions, targets, temperatures, scored=scored)
         logp, entropy = gather_row(logp, world.cp_group), gather_row(entropy, world.cp_group)
     return shift_to_tokens(logp, batch.position_ids), shift_to_tokens(entropy, batch.position_ids)
