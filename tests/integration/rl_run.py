@@ -1,6 +1,7 @@
 """What the integration tests that run `rl` share: its TOML (a tiny model, reverse-text, 8 rollouts a step of at most
 12 tokens) and the pids it logs."""
 
+import json
 import re
 import time
 from pathlib import Path
@@ -44,3 +45,11 @@ def started_pid(log: Path, name: str, timeout: float = 600) -> int:
             return int(m.group(1))
         time.sleep(0.2)
     raise TimeoutError(f"{name} never started:\n{log.read_text()[-3000:]}")
+
+
+def run_metrics(run_dir: Path, process: str) -> list[dict]:
+    """`process`'s lines in the run's metrics.jsonl so far (a line still being written is not one yet)."""
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    lines = text[: text.rfind("\n") + 1].splitlines()
+    return [m for m in map(json.loads, lines) if m["process"] == process]

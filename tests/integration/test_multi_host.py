@@ -12,7 +12,6 @@ rather than waiting for a fixed max_steps.) Last, the other inference host's rl 
 dies: its vLLM must die with it.
 """
 
-import json
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ import httpx
 import psutil
 import pytest
 from conftest import requests_running
-from rl_run import started_pid, write_rl_config
+from rl_run import run_metrics, started_pid, write_rl_config
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.utils.net import free_port
@@ -162,12 +161,6 @@ def tail(host: Host, chars: int = 3000) -> str:
     return f"--- {host.name} ---\n{text[-chars:]}"
 
 
-def metrics(out: Path, process: str) -> list[dict]:
-    path = out / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [m for m in map(json.loads, lines) if m["process"] == process]
-
-
 @pytest.mark.slow
 def test_rl_over_five_hosts_survives_losing_an_inference_server(tmp_path, capsys):
     network = Network(NAMES)
@@ -215,7 +208,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     try:
         for host in [*nodes, server_a, server_b, orchestrator]:  # trainer nodes first: they wait for the run
             host.start()
-        wait_until(lambda: len(metrics(out, "trainer")) >= 2, 900, "trainer step 2", hosts)
+        wait_until(lambda: len(run_metrics(out, "trainer")) >= 2, 900, "trainer step 2", hosts)
 
         # inference-b's vLLM dies while serving, as under the OOM killer: its rl exits within 30 s naming it and
         # leaves nothing behind. (The kill waits for requests running on b; they may still finish first.)
@@ -232,12 +225,12 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
         alive = [p for p in b_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
         before = b_log.stat().st_size
-        steps_without_b = len(metrics(out, "trainer"))
+        steps_without_b = len(run_metrics(out, "trainer"))
         server_b.start()
         back = f"inference server {b_url}/v1 back, serving policy step"  # (inference-a may recover too: see below)
         wait_until(lambda: back in orchestrator_log(out), 600, "inference-b back in rotation", hosts)
-        back_at = len(metrics(out, "trainer"))
-        wait_until(lambda: len(metrics(out, "trainer")) >= back_at + 3, 300, "3 steps with both servers", hosts)
+        back_at = len(run_metrics(out, "trainer"))
+        wait_until(lambda: len(run_metrics(out, "trainer")) >= back_at + 3, 300, "3 steps with both servers", hosts)
         server_a.kill()
         assert wait_gone(f"http://{addr['inference-a']}:{port}"), "inference-a's vLLM outlived its rl"
     finally:
@@ -253,8 +246,8 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
     )
     assert seen, orchestrator_log(out)[-3000:]
     if "weight swap" not in seen.group(1):
-        assert sum(m["retries"] for m in metrics(out, "orchestrator")) > 0, seen.group(1)
-    trained = metrics(out, "trainer")
+        assert sum(m["retries"] for m in run_metrics(out, "orchestrator")) > 0, seen.group(1)
+    trained = run_metrics(out, "trainer")
     assert [m["step"] for m in trained] == list(range(1, len(trained) + 1))  # every batch once, in order
     for m in trained:
         assert m["policy_version/min"] >= m["step"] - 1 - K and m["policy_version/max"] <= m["step"] - 1, m

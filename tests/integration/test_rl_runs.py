@@ -2,7 +2,6 @@
 adapter with its own learning rate, a run whose orchestrator dies ends alone while the other finishes, and a third run
 started by hand joins the running trainer."""
 
-import json
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ import httpx
 import psutil
 import pytest
 from conftest import API_KEY
-from rl_run import started_pid
+from rl_run import run_metrics, started_pid
 from test_rl import KEY_VAR, REVERSE_TEXT, run_pids, start_rl, write_config
 
 RUNS = """
@@ -27,14 +26,6 @@ orchestrator = { adapter = { optim = { lr = 1e-3 } } }
 name = "lr-high"
 orchestrator = { adapter = { optim = { lr = 1e-2 } } }
 """
-
-
-def run_metrics(run_dir, process: str) -> list[dict]:
-    """`process`'s lines in the run's metrics.jsonl so far (a line still being written is not one yet)."""
-    path = run_dir / "metrics.jsonl"
-    text = path.read_text() if path.exists() else ""
-    lines = text[: text.rfind("\n") + 1].splitlines()
-    return [m for m in map(json.loads, lines) if m["process"] == process]
 
 
 @pytest.mark.slow
