@@ -168,9 +168,9 @@ def next_token_logprobs(
     """log p(targets[b, t] | tokens <= t) under logits / temperatures[b, t], and that distribution's entropy.
 
     All [B, L]. `targets` are explicit so a caller can score a slice of a row whose last target lies beyond
-    it. `scored` (bool, [B, L]): the positions to score, 0 at the others (None: all). No KV cache. Without `attention_mask` ([B, 1, L, L], `model_attention_mask`) transformers derives a
-    block-diagonal mask (or varlen flash attention) from the position ids restarting at 0, so packed samples never
-    see each other.
+    it. `scored` (bool, [B, L]): the positions to score, 0 at the others (None: all). No KV cache. Without
+    `attention_mask` ([B, 1, L, L], `model_attention_mask`) transformers derives a block-diagonal mask (or varlen
+    flash attention) from the position ids restarting at 0, so packed samples never see each other.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, LogProbHead):
