@@ -9,18 +9,18 @@ demo's step: 8 prompts of ~108 tokens, 8 rollouts each, ~123 tokens a sample). W
 group's samples are as long as each other but groups differ (drawn between the two), so rows differ in length.
 
 The bare loop is the reference for what one process can do here: the same model (loaded by `from_pretrained`),
-dtype and samples, each sample in full (position ids restarting per sample), the same per-token policy-gradient
-arithmetic (log-softmax of the logits, the target's log-prob, advantage-weighted mean over the loss tokens) and
-plain `torch.optim.AdamW`, with no FSDP, no chunked head, no metrics. It runs once with one forward per row packed
-to `--seq-len` (our trainer before its rows and micro-batches were sized by the attention kernel and a token
-budget), and once with every sample in a row of its own and all rows in one forward (the best layout for sdpa
-without shared prompts).
+device, dtype (fp32 weights under autocast for bf16) and samples, each sample in full (position ids restarting per
+sample), the same per-token policy-gradient arithmetic (log-softmax of the logits, the target's log-prob,
+advantage-weighted mean over the loss tokens) and plain `torch.optim.AdamW`, with no FSDP, no chunked head, no
+metrics. It runs once with one forward per row packed to `--seq-len` (our trainer before its rows and micro-batches
+were sized by the attention kernel and a token budget), and once with every sample in a row of its own and all rows
+in one forward (the best layout for sdpa without shared prompts).
 
-Ours is `build_run` (FSDP2 on a one-process gloo group, the chunked log-prob head) + `train_step` +
-`optimizer_step` on the rows the trainer makes: a group's prompt once (`layout_units`), rows as long as the longest
-unit (`row_capacity`), micro-batches of `--micro-batch-tokens` grouped at least cost (`micro_batches`);
-`--no-share` lays every sample out whole, `--stack-all` stacks rows as many as fit whatever the padding. Timed as
-forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then `--steps` timed ones on
+Ours is `build_run` (FSDP2 on a one-process group: gloo, or NCCL on a GPU; the chunked log-prob head) +
+`train_step` + `optimizer_step` on the rows the trainer makes: a group's prompt once where that costs less
+(`layout_units`), rows as long as the longest unit (`row_capacity`), micro-batches of `--micro-batch-tokens` grouped
+at least cost (`micro_batches`); `--no-share` lays every sample out whole, `--stack-all` stacks rows as many as fit
+whatever the padding. Timed as forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then `--steps` timed ones on
 the same batch; the table gives the median step time and tokens/s over the samples' tokens, trained and prompt
 alike (what the bare loop puts through forward and backward).
 """
@@ -47,6 +47,7 @@ from prime_rl.trainer.packing import (
     row_capacity,
 )
 from prime_rl.trainer.parallel.distributed import init_distributed
+from prime_rl.trainer.perf import attention_entry_cost
 from prime_rl.trainer.rl.step import train_step
 from prime_rl.trainer.scaffold import build_run
 
@@ -84,11 +85,22 @@ def grpo_samples(vocab: int, samples: int, per_prompt: int, prompt_tokens: int, 
     return out
 
 
-def bare_step(model, optimizer, batches, loss_tokens: int) -> tuple[float, float]:
-    """One step of the plain loop over `batches` (MicroBatch objects); returns (forward+backward s, optimizer s)."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a host clock reading covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_step(model, optimizer, batches, loss_tokens: int, dtype: torch.dtype) -> tuple[float, float]:
+    """One step of the plain loop over `batches` (MicroBatch objects); returns (forward+backward s, optimizer s).
+    The weights stay fp32 and the forward runs under autocast to `dtype`: the plain mixed-precision loop, as our
+    trainer keeps fp32 masters and computes in `model.dtype`."""
+    device = next(model.parameters()).device
+    synchronize(device)
     t0 = time.perf_counter()
     for batch in batches:
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         logp = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
         # a token's log-prob is scored at the position before it; a sample's first token has none (its position id
@@ -96,11 +108,19 @@ def bare_step(model, optimizer, batches, loss_tokens: int) -> tuple[float, float
         mask = batch.loss_mask[:, 1:] & (batch.position_ids[:, 1:] > 0)
         loss = -(batch.advantages[:, 1:] * logp * mask).sum() / loss_tokens
         loss.backward()
+    synchronize(device)
     t1 = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
     return t1 - t0, time.perf_counter() - t1
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def timed(step, warmup: int, steps: int) -> tuple[float, float]:
@@ -159,31 +179,36 @@ def main() -> None:
     tokens = sum(r.num_tokens for r in rows)
     loss_tokens = sum(r.num_loss_tokens for r in rows)
     lengths = [len(s.token_ids) for s in samples]
-    units = layout_units(samples, args.seq_len, share_prompts=not args.no_share)  # what the trainer does for sdpa
+    cost = None if args.no_share else attention_entry_cost(run.model.config)  # what the trainer does for sdpa
+    units = layout_units(samples, args.seq_len, cost)
     our_rows = pack_units(samples, units, row_capacity([u.length for u in units], args.seq_len, varlen=False))
 
     def ours() -> tuple[float, float]:
+        synchronize(world.device)
         t0 = time.perf_counter()
         train_step(run.model, our_rows, {0: float(loss_tokens)}, config, world)
+        synchronize(world.device)
         t1 = time.perf_counter()
         run.optimizer_step(1.0)
+        synchronize(world.device)
         return t1 - t0, time.perf_counter() - t1
 
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
-    bare = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").train()
+    bare = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    bare = bare.to(world.device).train()
     optimizer = torch.optim.AdamW(bare.parameters(), lr=1e-6, weight_decay=0.01)
-    per_row = [collate([r], concatenate=False) for r in rows]
-    one_pass = [collate(pack_samples(samples, max(lengths)), concatenate=False)]
+    per_row = [collate([r], concatenate=False).to(world.device) for r in rows]
+    one_pass = [collate(pack_samples(samples, max(lengths)), concatenate=False).to(world.device)]
 
     results = {
         "ours (FSDP2, 1 rank)": timed(ours, args.warmup, args.steps),
         "bare, a forward per row": timed(
-            lambda: bare_step(bare, optimizer, per_row, loss_tokens), args.warmup, args.steps
+            lambda: bare_step(bare, optimizer, per_row, loss_tokens, dtype), args.warmup, args.steps
         ),
         "bare, a row per sample, one fwd": timed(
-            lambda: bare_step(bare, optimizer, one_pass, loss_tokens), args.warmup, args.steps
+            lambda: bare_step(bare, optimizer, one_pass, loss_tokens, dtype), args.warmup, args.steps
         ),
     }
     params = sum(p.numel() for p in bare.parameters())
@@ -192,10 +217,10 @@ def main() -> None:
     )
     sizes = f"{shortest}-{args.sample_tokens}" if shortest < args.sample_tokens else f"{args.sample_tokens}"
     print(
-        f"{params / 1e6:.2f}M params, {args.dtype}, {torch.get_num_threads()} threads; {len(samples)} samples x "
+        f"{params / 1e6:.2f}M params, {args.dtype}, {device_name(world.device)}; {len(samples)} samples x "
         f"{sizes} tokens in {len(rows)} rows of <= {args.seq_len} ({tokens} tokens, {loss_tokens} scored); "
         f"ours: {sum(r.num_tokens for r in our_rows)} positions in {len(our_rows)} rows"
-        f"{' (prompts shared)' if not args.no_share else ''}, {len(forwards)} forward(s) of <= "
+        f"{' (prompts shared)' if any(u.prompt for u in units) else ''}, {len(forwards)} forward(s) of <= "
         f"{args.micro_batch_tokens} positions ({sum(len(g) * g[0].num_tokens for g in forwards)} with padding); "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )

@@ -4,7 +4,7 @@
 # carry .gpu-wheels along with the source tree).
 #
 #   bash scripts/gpu/run.sh --out DIR              # there: everything, at most ~8 minutes
-#   bash scripts/gpu/run.sh --out DIR --only bench # a part again: env, api, tests, bench, logprobs
+#   bash scripts/gpu/run.sh --out DIR --only bench # a part again: env, api, tests, bench, logprobs, overhead
 #   bash scripts/gpu/run.sh --out DIR --dry-run    # here, on CPU: the same steps at toy size; CUDA parts say skipped
 #
 # Every part runs under its own timeout, cut further so the whole stays inside the budget (one hang cannot eat
@@ -143,6 +143,10 @@ bench() {
 }
 bench bench
 part logprobs 90 "$python" benchmarks/bench_logprobs.py --tokens "$seq_len" --vocab "$vocab" --repeats 2
+# our trainer step against a bare transformers loop on one GRPO batch of seq_len tokens: 16 samples, 8 per prompt
+part overhead 120 "$python" benchmarks/bench_trainer_overhead.py --model "$model" --dtype "$dtype" --samples 16 \
+    --sample-tokens $((seq_len / 16)) --prompt-tokens $((seq_len / 128)) --seq-len "$seq_len" \
+    --micro-batch-tokens "$seq_len" --warmup 1 --steps 3
 bench bench-ac --model.ac true
 if [ $dry_run = 1 ]; then  # the trainer refuses optimizer offload without CUDA (a unit test checks that)
     printf 'bench-offload\tskipped: needs CUDA\t-\n' >>"$out/status.tsv"

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = ("trainer", "sft")
 """The console scripts whose import closure is 'the trainer' (read from pyproject.toml, so moves follow)."""
-EXTRA_FILES = ("tests/gpu", "benchmarks/bench_logprobs.py")
+EXTRA_FILES = ("tests/gpu", "benchmarks/bench_logprobs.py", "benchmarks/bench_trainer_overhead.py")
 """Code that runs on the GPU machine besides the trainer's modules."""
 
 

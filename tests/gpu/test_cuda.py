@@ -121,9 +121,13 @@ def test_chunked_logprobs_keep_peak_memory_flat_at_qwen3_vocab_and_16k_tokens():
     assert extra < 4.0  # chunk logits (1024 x vocab, a few fp32 copies) + the fp32 weight gradient (0.6 GiB)
 
 
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="NCCL refuses two ranks on one GPU ('Duplicate GPU detected', seen on an H200): the transfer needs two",
+)
 def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, monkeypatch):
-    """Checklist 5: the trainer side of the NCCL transfer; a second process on the same GPU receives as a vLLM worker
-    would (`prime_rl.weight_broadcast`), and gets exactly the trainer's parameters in bf16."""
+    """Checklist 5: the trainer side of the NCCL transfer on GPU 0; a second process on GPU 1 receives as a vLLM
+    worker would (`prime_rl.weight_broadcast`), and gets exactly the trainer's parameters in bf16."""
     from prime_rl.utils.net import free_port
 
     monkeypatch.setenv("PRIME_RL_SECRET", "gpu-test-secret-0123456789")  # the sender's; the receiver names it
@@ -171,7 +175,7 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     (tmp_path / "receiver.py").write_text(textwrap.dedent(receiver))
     recv = subprocess.Popen(
         [sys.executable, str(tmp_path / "receiver.py"), str(port), str(tmp_path / "got.pt")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"},
     )  # fmt: skip
     try:
         sent = run_ranks(sender, 1, tmp_path, str(port), str(tmp_path / "sent.pt"))

@@ -77,11 +77,12 @@ def test_gpu_run_dry_run_on_cpu(tmp_path):
     parts = dict(line.split("\t")[:2] for line in status.splitlines())
     assert parts == {
         "env": "ok", "api": "ok", "model": "ok", "tests": "ok", "bench": "ok", "logprobs": "ok",
-        "bench-ac": "ok", "bench-offload": "skipped: needs CUDA", "bench-compile": "ok",
+        "overhead": "ok", "bench-ac": "ok", "bench-offload": "skipped: needs CUDA", "bench-compile": "ok",
     }  # fmt: skip
     assert "no CUDA device: the CUDA parts are skipped" in (out / "env.log").read_text()
     assert "skipped" in (out / "tests.log").read_text()
     assert "summary over" in (out / "bench.log").read_text()
+    assert "ours (FSDP2, 1 rank)" in (out / "overhead.log").read_text()
     assert json.loads((out / "torch-api.json").read_text())["missing"] == []
 
 

@@ -1,5 +1,7 @@
 """First-fit-decreasing packing into rows and equal-count, token-balanced sharding over ranks."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ from prime_rl.trainer.packing import (
     padding_row,
     row_capacity,
     shard_rows,
+    unit_cost,
 )
+from prime_rl.trainer.perf import attention_entry_cost
 
 
 def make_sample(n: int, base: int = 0, temperature: float = 1.0) -> TrainingSample:
@@ -251,16 +255,16 @@ def test_samples_of_one_prompt_share_it_by_hand():
     c = shared_sample([1, 2, 4, 30], 3)
     d = shared_sample([1, 2, 3, 40], 2)
     e = shared_sample([7, 2, 3, 50], 3)
-    units = layout_units([a, b, c, d, e], max_length=64, share_prompts=True)
+    units = layout_units([a, b, c, d, e], max_length=64, attention_cost=0.0)
     assert [(u.samples, u.prompt, u.length) for u in units] == [
         ((0, 1, 2), 2, 2 + 3 + 2 + 2),
         ((3,), 0, 4),
         ((4,), 0, 4),
     ]
-    assert [(u.samples, u.prompt) for u in layout_units([a, b, c, d, e], 64, share_prompts=False)] == [
+    assert [(u.samples, u.prompt) for u in layout_units([a, b, c, d, e], 64, attention_cost=None)] == [
         ((i,), 0) for i in range(5)
     ]
-    units = layout_units([a, b], max_length=64, share_prompts=True)
+    units = layout_units([a, b], max_length=64, attention_cost=0.0)
     (row,) = pack_units([a, b], units[:1], capacity=7)
     assert row.input_ids.tolist() == [1, 2, 3, 10, 11, 3, 20]
     assert row.position_ids.tolist() == [0, 1, 2, 3, 4, 2, 3]  # each continuation goes on from the prompt's end
@@ -273,7 +277,7 @@ def test_samples_of_one_prompt_share_it_by_hand():
 
 def test_a_group_longer_than_a_row_is_split_and_repeats_its_prompt():
     group = [shared_sample([5, 6, 7, 8] + [9] * n, 4) for n in (4, 4, 4)]  # prompt [5, 6, 7] shared, then 5 each
-    units = layout_units(group, max_length=14, share_prompts=True)
+    units = layout_units(group, max_length=14, attention_cost=0.0)
     assert [(u.samples, u.prompt, u.length) for u in units] == [((0, 1), 3, 3 + 5 + 5), ((2,), 0, 8)]
     assert sorted(i for row in pack_units(group, units, 14) for i in row.sample_indices) == [0, 1, 2]
     # no trained token, or one right after the first token: nothing to share
@@ -283,4 +287,40 @@ def test_a_group_longer_than_a_row_is_split_and_repeats_its_prompt():
         shared_sample([1, 2], 1),
         shared_sample([1, 2], 1),
     ]
-    assert [u.prompt for u in layout_units(lone, 64, share_prompts=True)] == [0, 0, 0, 0]
+    assert [u.prompt for u in layout_units(lone, 64, attention_cost=0.0)] == [0, 0, 0, 0]
+
+
+def test_a_group_shares_its_prompt_only_where_that_costs_less():
+    # two 10-token samples with the prompt [1, 2, 3, 4] (trained from index 4): shared, one unit of 3 + 2 x 7 = 17
+    # positions; alone, two of 10. At a cost of a per score entry (in positions), sharing costs 17 + 17² a and alone
+    # 2 x (10 + 10² a): sharing is cheaper exactly while 89 a < 3, i.e. a < 0.0337
+    group = [shared_sample([1, 2, 3, 4] + [5 + k] * 6, 4) for k in range(2)]
+    assert unit_cost(17, 0.03) == pytest.approx(17 + 289 * 0.03)
+    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.03)] == [((0, 1), 3, 17)]
+    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.04)] == [
+        ((0,), 0, 10),
+        ((1,), 0, 10),
+    ]
+    # a per-entry cost by hand: h 4, 2 heads of 2, kv 2, MLP 8, one layer, vocab 10. Matmul weights N: q, k, v, o
+    # 4 x (4 x 4) = 64, MLP 3 x 4 x 8 = 96, head 10 x 4 = 40: 200. An entry: 12 L H d = 48 FLOPs; a position 6 N
+    tiny = SimpleNamespace(
+        hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=2, intermediate_size=8,
+        num_hidden_layers=1, vocab_size=10,
+    )  # fmt: skip
+    assert attention_entry_cost(tiny) == pytest.approx(48 / 1200)
+
+
+def test_long_continuations_are_laid_out_alone_at_qwen3_scale():
+    """GRPO groups of 8 at the 16k-token shape the H200 measured (a 128-token prompt, 896 generated tokens each):
+    at Qwen3-0.6B's entry cost sharing would cost 17,540 positions against 9,806 alone, so they stay apart; the
+    demo's shape (108-token prompts, 15 generated) shares at the same cost."""
+    qwen3 = SimpleNamespace(
+        hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+        num_hidden_layers=28, vocab_size=151936,
+    )  # fmt: skip
+    cost = attention_entry_cost(qwen3)
+    assert 1 / cost == pytest.approx(5196.57, abs=0.01)
+    long = [shared_sample(list(range(128)) + [1000 + k] * 896, 128) for k in range(8)]
+    assert [u.prompt for u in layout_units(long, 16384, cost)] == [0] * 8
+    short = [shared_sample(list(range(108)) + [1000 + k] * 15, 108) for k in range(8)]
+    assert [(u.prompt, u.length) for u in layout_units(short, 16384, cost)] == [(107, 107 + 8 * 16)]

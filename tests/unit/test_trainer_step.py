@@ -201,7 +201,7 @@ def test_samples_sharing_their_prompt_get_the_gradient_of_the_samples_alone(mode
     """`layout_units` lays a group's prompt out once: fewer positions computed, the same loss, statistics and
     gradient as each sample in full."""
     batch = grouped_samples()
-    alone, shared = pack_samples(batch, seq_len=64), pack_samples(batch, seq_len=64, share_prompts=True)
+    alone, shared = pack_samples(batch, seq_len=64), pack_samples(batch, seq_len=64, attention_cost=0.0)
     # each group of 4 computes its prompt (less the last token, which each continuation keeps) once instead of 4x
     saved = sum(3 * (n - 1) for n in (6, 9, 4))
     assert sum(r.num_tokens for r in alone) - sum(r.num_tokens for r in shared) == saved

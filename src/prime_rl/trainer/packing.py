@@ -3,10 +3,11 @@ into micro-batches (one forward each).
 
 Samples are concatenated inside a row; position ids restart at 0 for each sample, which is what lets the attention
 kernel treat the row as block-diagonal (no cross-sample attention). Where the kernel computes the whole row anyway
-(sdpa, eager), the samples of a group that share their prompt share one copy of it (`layout_units`): the prompt
+(sdpa, eager), the samples of a group that share their prompt may share one copy of it (`layout_units`): the prompt
 once, then each sample's continuation with positions going on from the prompt's end, and an explicit attention mask
 (`model/logprobs.py: shared_prompt_mask`) lets each continuation see the prompt and itself only. GRPO's 8-16
-rollouts of a prompt then cost one prompt's forward and backward instead of 8-16.
+rollouts of a prompt then cost one prompt's forward and backward instead of 8-16, but attend as one long row: a
+group shares only where that costs less (`unit_cost`).
 
 How long a row may be depends on the kernel (`row_capacity`): a varlen kernel (`flash_attention_2`, or context
 parallelism) skips the blocks between samples, so rows fill `seq_len`; sdpa and eager compute the whole L x L score
@@ -153,33 +154,54 @@ class Unit:
     """Positions the unit takes in a row: the prompt once plus each sample's tokens after it."""
 
 
-def layout_units(samples: Sequence[TrainingSample], max_length: int, share_prompts: bool) -> list[Unit]:
-    """The units the samples are packed as: each alone, or (`share_prompts`) grouped by the tokens before their first
-    loss token, less that prompt's last token, which each sample keeps (its logits predict the sample's first
-    trained token, so each continuation needs its own copy of it).
+def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_cost: float | None) -> list[Unit]:
+    """The units the samples are packed as: each alone, or grouped by the tokens before their first loss token, less
+    that prompt's last token, which each sample keeps (its logits predict the sample's first trained token, so each
+    continuation needs its own copy of it).
 
     Only identical prompts are shared, never a token that is trained, so every trained token sees exactly the
-    tokens it saw alone. A group longer than `max_length` is split into units that each repeat the prompt.
+    tokens it saw alone. A group longer than `max_length` is split into units that each repeat the prompt. A group
+    shares only where its units cost less than its samples alone (`unit_cost` with `attention_cost`; None: never,
+    for varlen kernels, which cannot take the mask sharing needs).
     """
     groups: dict[object, list[int]] = {}
     for i, sample in enumerate(samples):
         first_trained = sample.loss_mask.index(True) if True in sample.loss_mask else 0
-        shared = first_trained - 1 if share_prompts else 0
+        shared = first_trained - 1 if attention_cost is not None else 0
         key = (shared, array("q", sample.token_ids[:shared]).tobytes()) if shared > 0 else i
         groups.setdefault(key, []).append(i)
     units: list[Unit] = []
     for key, members in groups.items():
         prompt = key[0] if isinstance(key, tuple) else 0
-        current, length = [], prompt
+        together, current, length = [], [], prompt
         for i in members:
             added = len(samples[i].token_ids) - prompt
             if current and length + added > max_length:
-                units.append(_unit(samples, current, prompt))
+                together.append(_unit(samples, current, prompt))
                 current, length = [], prompt
             current.append(i)
             length += added
-        units.append(_unit(samples, current, prompt))
+        together.append(_unit(samples, current, prompt))
+        alone = [_unit(samples, [i], 0) for i in members]
+        cost = attention_cost or 0.0
+        if sum(unit_cost(u.length, cost) for u in together) < sum(unit_cost(u.length, cost) for u in alone):
+            units += together
+        else:
+            units += alone
     return units
+
+
+def unit_cost(length: int, attention_cost: float) -> float:
+    """What a unit of `length` positions costs to train, in positions: each position's matmuls, plus its attention
+    over the unit, `length`² score entries at `attention_cost` positions each (`perf.attention_entry_cost`; sdpa and
+    eager compute every entry of a masked row, so no causal half).
+
+    Sharing a prompt saves positions but makes one long unit: 8 samples of a 128-token prompt and 896 generated
+    tokens are 8 x 1,024 positions and 8 x 1,024² entries alone, 7,296 and 7,296² shared. At Qwen3-0.6B's ~1/5,200
+    that is 17,540 positions' cost shared against 9,806 alone (an H200 measured 0.79 against 0.39 s); at the demo's
+    108 + 8 x 15 tokens sharing costs a quarter of alone.
+    """
+    return length + attention_cost * length * length
 
 
 def _unit(samples: Sequence[TrainingSample], members: list[int], prompt: int) -> Unit:
@@ -244,9 +266,12 @@ def pack_units(samples: Sequence[TrainingSample], units: Sequence[Unit], capacit
     return [_build_row(samples, [units[j] for j in indices]) for indices in bins]
 
 
-def pack_samples(samples: Sequence[TrainingSample], seq_len: int, share_prompts: bool = False) -> list[PackedRow]:
-    """Pack all samples into rows of at most seq_len positions (`share_prompts`: a group's prompt once)."""
-    return pack_units(samples, layout_units(samples, seq_len, share_prompts), seq_len)
+def pack_samples(
+    samples: Sequence[TrainingSample], seq_len: int, attention_cost: float | None = None
+) -> list[PackedRow]:
+    """Pack all samples into rows of at most seq_len positions (`attention_cost`: a group's prompt once where that
+    costs less, `layout_units`; None: every sample whole)."""
+    return pack_units(samples, layout_units(samples, seq_len, attention_cost), seq_len)
 
 
 def padding_row(pad_token_id: int = 0, length: int = 1) -> PackedRow:

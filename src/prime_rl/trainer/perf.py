@@ -63,6 +63,14 @@ def flops_per_token(config, seq_len: int) -> int:
     return 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config) * seq_len
 
 
+def attention_entry_cost(config) -> float:
+    """One attention score entry's (a query-key pair's) training FLOPs over one position's matmul FLOPs: the two
+    terms of `flops_per_token`, 12*L*H*d / 6*N. Qwen3-0.6B: ~1/5,200; SmolLM2-135M: ~1/3,900. What decides whether
+    samples share a prompt (`packing.unit_cost`)."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    return 2 * layers * heads * _head_dim(config) / matmul_params_per_token(config)
+
+
 def peak_flops(device_name: str) -> float | None:
     """Peak dense BF16 FLOP/s of one device from its name; None when unknown (including any CPU)."""
     matches = [key for key in PEAK_BF16_FLOPS if key.lower() in device_name.lower()]

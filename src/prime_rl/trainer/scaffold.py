@@ -8,7 +8,7 @@ and reads top to bottom; the rest is here, once:
         run = build_run(config, world, "sft", max_steps, "fine-tuning")  # FSDP2 model, optimizer, schedule, resume
         meter = StepMeter(run.model.config, config.seq_len, world)
         ...
-        rows, info = next_rows(world, config.seq_len, config.model.attn, take_samples, errors)  # rank 0 makes them, all get theirs
+        rows, info = next_rows(world, config.seq_len, config.model.attn, run.model.config, take_samples, errors)  # rank 0 packs
         ...  forward/backward every row (the loop's loss)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         sums = all_reduce_sums(totals, world)
@@ -40,7 +40,13 @@ from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
 from prime_rl.trainer.packing import PackedRow, layout_units, pack_units, packs_across_samples, row_capacity, shard_rows
 from prime_rl.trainer.parallel.distributed import World, broadcast_object, die_with_torchrun_agent, init_distributed
-from prime_rl.trainer.perf import ThroughputMeter, flops_per_token, peak_flops, peak_memory_gib
+from prime_rl.trainer.perf import (
+    ThroughputMeter,
+    attention_entry_cost,
+    flops_per_token,
+    peak_flops,
+    peak_memory_gib,
+)
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.monitor import Monitor, MonitorError
@@ -231,13 +237,15 @@ def next_rows(
     world: World,
     seq_len: int,
     attn: str,
+    model_config,
     take_samples: Callable[[], tuple[list[TrainingSample] | dict[int, list[TrainingSample]], dict]],
     errors: tuple[type[Exception], ...],
 ) -> tuple[list[PackedRow], dict]:
     """Rank 0 takes the step's samples and packs them; every rank gets its own rows and the step's totals.
 
     Rows are at most `seq_len` long, or as long as the longest unit where the attention kernel `attn` computes
-    the whole row (`row_capacity`); there a group's samples share one copy of their prompt (`layout_units`).
+    the whole row (`row_capacity`); there a group's samples share one copy of their prompt where that costs the
+    model (`model_config`) less (`layout_units`).
     `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
     each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
     `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
@@ -250,7 +258,8 @@ def next_rows(
             by_slot = samples if isinstance(samples, dict) else {0: samples}
             rows, slots = [], {}
             varlen = packs_across_samples(attn, world.cp)
-            units = {slot: layout_units(ss, seq_len, share_prompts=not varlen) for slot, ss in by_slot.items()}
+            cost = None if varlen else attention_entry_cost(model_config)
+            units = {slot: layout_units(ss, seq_len, cost) for slot, ss in by_slot.items()}
             capacity = row_capacity([u.length for us in units.values() for u in us], seq_len, varlen)
             for slot, slot_samples in by_slot.items():
                 slot_rows = pack_units(slot_samples, units[slot], capacity)

@@ -85,7 +85,12 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             wait_until(world, path.exists, what, config.batch_timeout, sender, run)
         t_wait = time.perf_counter() - t0
         rows, info = next_rows(
-            world, config.seq_len, config.model.attn, partial(take_batch, config, step, vocab_size), BATCH_ERRORS
+            world,
+            config.seq_len,
+            config.model.attn,
+            run.model.config,
+            partial(take_batch, config, step, vocab_size),
+            BATCH_ERRORS,
         )
         t_data = time.perf_counter() - t0
 

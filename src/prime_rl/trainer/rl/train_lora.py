@@ -55,7 +55,7 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
         if not ready:
             continue
         take = partial(take_batches, ready, vocab_size, config.seq_len)
-        rows, info = next_rows(world, config.seq_len, config.model.attn, take, BATCH_ERRORS)
+        rows, info = next_rows(world, config.seq_len, config.model.attn, model.config, take, BATCH_ERRORS)
         t_data = time.perf_counter() - t0
         failed = info["failed"]
         trained = [run for run in ready if run.name not in failed]

@@ -171,7 +171,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         step = run.progress.step + 1
         t0 = time.perf_counter()
         take = partial(take_examples, config, step, stream, vocab_size)
-        rows, info = next_rows(world, config.seq_len, config.model.attn, take, DATA_ERRORS)
+        rows, info = next_rows(world, config.seq_len, config.model.attn, run.model.config, take, DATA_ERRORS)
         t_data = time.perf_counter() - t0
 
         run.model.train()
