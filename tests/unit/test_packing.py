@@ -8,6 +8,7 @@ import torch
 from prime_rl.batch import TrainingSample
 from prime_rl.trainer.packing import (
     PackedRow,
+    Unit,
     collate,
     first_fit_decreasing,
     layout_units,
@@ -291,36 +292,52 @@ def test_a_group_longer_than_a_row_is_split_and_repeats_its_prompt():
 
 
 def test_a_group_shares_its_prompt_only_where_that_costs_less():
-    # two 10-token samples with the prompt [1, 2, 3, 4] (trained from index 4): shared, one unit of 3 + 2 x 7 = 17
-    # positions; alone, two of 10. At a cost of a per score entry (in positions), sharing costs 17 + 17² a and alone
-    # 2 x (10 + 10² a): sharing is cheaper exactly while 89 a < 3, i.e. a < 0.0337
+    # two 10-token samples with the prompt [1, 2, 3, 4] (trained from index 4): shared, one masked unit of 3 + 2 x 7 =
+    # 17 positions; alone, two causal ones of 10. At a cost of a per score entry (in positions), sharing costs
+    # 17 + 17² a and alone 2 x (10 + 10² a / 2): sharing is cheaper exactly while 189 a < 3, i.e. a < 0.01587
     group = [shared_sample([1, 2, 3, 4] + [5 + k] * 6, 4) for k in range(2)]
-    assert unit_cost(17, 0.03) == pytest.approx(17 + 289 * 0.03)
-    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.03)] == [((0, 1), 3, 17)]
-    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.04)] == [
+    assert unit_cost(Unit((0, 1), 3, 17), 0.015) == pytest.approx(17 + 289 * 0.015)
+    assert unit_cost(Unit((0,), 0, 10), 0.015) == pytest.approx(10 + 50 * 0.015)
+    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.015)] == [((0, 1), 3, 17)]
+    assert [(u.samples, u.prompt, u.length) for u in layout_units(group, 64, attention_cost=0.016)] == [
         ((0,), 0, 10),
         ((1,), 0, 10),
     ]
-    # a per-entry cost by hand: h 4, 2 heads of 2, kv 2, MLP 8, one layer, vocab 10. Matmul weights N: q, k, v, o
-    # 4 x (4 x 4) = 64, MLP 3 x 4 x 8 = 96, head 10 x 4 = 40: 200. An entry: 12 L H d = 48 FLOPs; a position 6 N
+    # a per-entry cost by hand: h 4, 2 heads of 2, kv 2, MLP 8, one layer, vocab 10. Weights in the layers: q, k, v,
+    # o 4 x (4 x 4) = 64, MLP 3 x 4 x 8 = 96: 160 (the head's 40 left out). An entry: 12 L H d = 48 FLOPs; a position
+    # in the layers 6 x 160 = 960
     tiny = SimpleNamespace(
         hidden_size=4, num_attention_heads=2, num_key_value_heads=2, head_dim=2, intermediate_size=8,
         num_hidden_layers=1, vocab_size=10,
     )  # fmt: skip
-    assert attention_entry_cost(tiny) == pytest.approx(48 / 1200)
+    assert attention_entry_cost(tiny) == pytest.approx(48 / 960)
 
 
-def test_long_continuations_are_laid_out_alone_at_qwen3_scale():
-    """GRPO groups of 8 at the 16k-token shape the H200 measured (a 128-token prompt, 896 generated tokens each):
-    at Qwen3-0.6B's entry cost sharing would cost 17,540 positions against 9,806 alone, so they stay apart; the
-    demo's shape (108-token prompts, 15 generated) shares at the same cost."""
+@pytest.mark.parametrize(
+    ("prompt", "shared"),
+    [(128, False), (512, False), (896, True)],  # an H200 measured 0.79 vs 0.42 s, 0.41 vs 0.37, 0.21 vs 0.33
+)
+def test_groups_share_at_qwen3_scale_where_the_h200_found_it_faster(prompt, shared):
+    """GRPO groups of 8 samples of 1,024 tokens, the 16k-token shapes `docs/gpu.md` measured on an H200, shared or
+    alone (`bench_trainer_overhead.py`): at Qwen3-0.6B's entry cost the layout is the one that ran faster there."""
     qwen3 = SimpleNamespace(
         hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
         num_hidden_layers=28, vocab_size=151936,
     )  # fmt: skip
     cost = attention_entry_cost(qwen3)
-    assert 1 / cost == pytest.approx(5196.57, abs=0.01)
-    long = [shared_sample(list(range(128)) + [1000 + k] * 896, 128) for k in range(8)]
-    assert [u.prompt for u in layout_units(long, 16384, cost)] == [0] * 8
-    short = [shared_sample(list(range(108)) + [1000 + k] * 15, 108) for k in range(8)]
-    assert [(u.prompt, u.length) for u in layout_units(short, 16384, cost)] == [(107, 107 + 8 * 16)]
+    assert 1 / cost == pytest.approx(3840)  # 2 L H d = 114,688 over 28 x 15,728,640 weights in the layers
+    group = [shared_sample(list(range(prompt)) + [1000 + k] * (1024 - prompt), prompt) for k in range(8)]
+    units = layout_units(group, 16384, cost)
+    assert [u.prompt for u in units] == ([prompt - 1] if shared else [0] * 8)
+
+
+def test_the_demos_groups_share_their_prompt():
+    """The reverse-text demo's step: 8 samples of a 108-token prompt and 15 generated tokens, at the demo model's
+    entry cost (2 layers of 8 heads of 32, hidden 128, MLP 512: 1/640)."""
+    demo = SimpleNamespace(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=32, intermediate_size=512,
+        num_hidden_layers=2, vocab_size=282,
+    )  # fmt: skip
+    assert 1 / attention_entry_cost(demo) == pytest.approx(640)
+    group = [shared_sample(list(range(108)) + [1000 + k] * 15, 108) for k in range(8)]
+    assert [(u.prompt, u.length) for u in layout_units(group, 512, attention_entry_cost(demo))] == [(107, 107 + 8 * 16)]

@@ -184,24 +184,27 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_c
         together.append(_unit(samples, current, prompt))
         alone = [_unit(samples, [i], 0) for i in members]
         cost = attention_cost or 0.0
-        if sum(unit_cost(u.length, cost) for u in together) < sum(unit_cost(u.length, cost) for u in alone):
+        if sum(unit_cost(u, cost) for u in together) < sum(unit_cost(u, cost) for u in alone):
             units += together
         else:
             units += alone
     return units
 
 
-def unit_cost(length: int, attention_cost: float) -> float:
-    """What a unit of `length` positions costs to train, in positions: each position's matmuls, plus its attention
-    over the unit, `length`² score entries at `attention_cost` positions each (`perf.attention_entry_cost`; sdpa and
-    eager compute every entry of a masked row, so no causal half).
+def unit_cost(unit: Unit, attention_cost: float) -> float:
+    """What a unit costs to train, in positions: each position's layers, plus its attention score entries at
+    `attention_cost` positions each (`perf.attention_entry_cost`). A sample alone is one causal row, half its
+    `length`² entries (what a causal kernel computes); a shared prompt's unit needs the explicit mask, under which
+    sdpa and eager compute all `length`² entries.
 
-    Sharing a prompt saves positions but makes one long unit: 8 samples of a 128-token prompt and 896 generated
-    tokens are 8 x 1,024 positions and 8 x 1,024² entries alone, 7,296 and 7,296² shared. At Qwen3-0.6B's ~1/5,200
-    that is 17,540 positions' cost shared against 9,806 alone (an H200 measured 0.79 against 0.39 s); at the demo's
-    108 + 8 x 15 tokens sharing costs a quarter of alone.
+    Sharing saves positions but makes one long masked unit: 8 samples of 1,024 tokens after a 128-token prompt are
+    8 x 1,024 positions alone, one unit of 7,303 shared. At Qwen3-0.6B's 1/3,840 that costs 9,284 alone against
+    21,192 shared; with 512-token prompts 9,284 against 10,161; with 896-token prompts 9,284 against 2,894. An H200
+    measured 0.42 s against 0.79, 0.37 against 0.41, and 0.33 against 0.21 (`docs/gpu.md`). The demo's 108-token
+    prompts and 15 generated tokens share at under a third of the cost alone.
     """
-    return length + attention_cost * length * length
+    entries = unit.length * unit.length if unit.prompt else unit.length * unit.length / 2
+    return unit.length + attention_cost * entries
 
 
 def _unit(samples: Sequence[TrainingSample], members: list[int], prompt: int) -> Unit:

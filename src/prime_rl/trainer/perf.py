@@ -64,11 +64,13 @@ def flops_per_token(config, seq_len: int) -> int:
 
 
 def attention_entry_cost(config) -> float:
-    """One attention score entry's (a query-key pair's) training FLOPs over one position's matmul FLOPs: the two
-    terms of `flops_per_token`, 12*L*H*d / 6*N. Qwen3-0.6B: ~1/5,200; SmolLM2-135M: ~1/3,900. What decides whether
-    samples share a prompt (`packing.unit_cost`)."""
+    """One attention score entry's (a query-key pair's) training FLOPs over one position's in the layers: 12*L*H*d
+    over 6*N less the LM head's weights (`flops_per_token`'s two terms). The head is left out because the positions a
+    shared prompt saves are never scored by it (`model/logprobs.py` scores only positions before trained tokens).
+    Qwen3-0.6B: 1/3,840; SmolLM2-135M: 1/3,072. What decides whether samples share a prompt (`packing.unit_cost`)."""
     layers, heads = config.num_hidden_layers, config.num_attention_heads
-    return 2 * layers * heads * _head_dim(config) / matmul_params_per_token(config)
+    in_layers = matmul_params_per_token(config) - config.vocab_size * config.hidden_size
+    return 2 * layers * heads * _head_dim(config) / in_layers
 
 
 def peak_flops(device_name: str) -> float | None:
