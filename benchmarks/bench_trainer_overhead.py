@@ -20,15 +20,15 @@ Ours is `build_run` (FSDP2 on a one-process group: gloo, or NCCL on a GPU; the c
 `train_step` + `optimizer_step` on the rows the trainer makes: a group's prompt once where that costs less
 (`layout_units`), rows as long as the longest unit (`row_capacity`), micro-batches of `--micro-batch-tokens` grouped
 at least cost (`micro_batches`); `--no-share` lays every sample out whole, `--stack-all` stacks rows as many as fit
-whatever the padding. Timed as forward+backward and optimizer separately. Each variant runs `--warmup` steps first, then `--steps` timed ones on
-the same batch; the table gives the median step time and tokens/s over the samples' tokens, trained and prompt
-alike (what the bare loop puts through forward and backward).
+whatever the padding. Timed as forward+backward and optimizer separately (`PhaseTimer`: CUDA events on a GPU).
+Each variant runs `--warmup` steps first, then `--steps` timed ones on the same batch; the table gives the median
+step time and tokens/s over the samples' tokens, trained and prompt alike (what the bare loop puts through forward
+and backward).
 """
 
 import argparse
 import statistics
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from prime_rl.trainer.packing import (
     row_capacity,
 )
 from prime_rl.trainer.parallel.distributed import init_distributed
-from prime_rl.trainer.perf import attention_entry_cost
+from prime_rl.trainer.perf import PhaseTimer, attention_entry_cost
 from prime_rl.trainer.rl.step import train_step
 from prime_rl.trainer.scaffold import build_run
 
@@ -85,36 +85,26 @@ def grpo_samples(vocab: int, samples: int, per_prompt: int, prompt_tokens: int, 
     return out
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued kernels, so that a host clock reading covers them."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bare_step(model, optimizer, batches, loss_tokens: int, dtype: torch.dtype) -> tuple[float, float]:
-    """One step of the plain loop over `batches` (MicroBatch objects); returns (forward+backward s, optimizer s).
+def bare_step(model, optimizer, batches, loss_tokens: int, dtype: torch.dtype, timer: PhaseTimer) -> None:
+    """One step of the plain loop over `batches` (MicroBatch objects), timed as `fwd_bwd` and `optimizer`.
     The weights stay fp32 and the forward runs under autocast to `dtype`: the plain mixed-precision loop, as our
     trainer keeps fp32 masters and computes in `model.dtype`."""
-    device = next(model.parameters()).device
-    synchronize(device)
-    t0 = time.perf_counter()
-    for batch in batches:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        logp = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-        # a token's log-prob is scored at the position before it; a sample's first token has none (its position id
-        # is 0), which is where the shifted mask drops it
-        mask = batch.loss_mask[:, 1:] & (batch.position_ids[:, 1:] > 0)
-        loss = -(batch.advantages[:, 1:] * logp * mask).sum() / loss_tokens
-        loss.backward()
-    synchronize(device)
-    t1 = time.perf_counter()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    synchronize(device)
-    return t1 - t0, time.perf_counter() - t1
+    device_type = next(model.parameters()).device.type
+    with timer("fwd_bwd"):
+        for batch in batches:
+            with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            logp = logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+            # a token's log-prob is scored at the position before it; a sample's first token has none (its position
+            # id is 0), which is where the shifted mask drops it
+            mask = batch.loss_mask[:, 1:] & (batch.position_ids[:, 1:] > 0)
+            loss = -(batch.advantages[:, 1:] * logp * mask).sum() / loss_tokens
+            loss.backward()
+    with timer("optimizer"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def device_name(device: torch.device) -> str:
@@ -123,11 +113,17 @@ def device_name(device: torch.device) -> str:
     return f"CPU, {torch.get_num_threads()} threads"
 
 
-def timed(step, warmup: int, steps: int) -> tuple[float, float]:
+def timed(step, timer: PhaseTimer, warmup: int, steps: int) -> tuple[float, float]:
+    """Median (forward+backward s, optimizer s) of `steps` calls of `step` after `warmup` untimed ones; `step` times
+    its phases on `timer` (CUDA events on a GPU, the clock on a CPU)."""
     for _ in range(warmup):
         step()
-    times = [step() for _ in range(steps)]
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+    timer.pop()
+    times = []
+    for _ in range(steps):
+        step()
+        times.append(timer.pop())
+    return statistics.median(t["time_fwd_bwd"] for t in times), statistics.median(t["time_optimizer"] for t in times)
 
 
 def main() -> None:
@@ -183,15 +179,13 @@ def main() -> None:
     units = layout_units(samples, args.seq_len, cost)
     our_rows = pack_units(samples, units, row_capacity([u.length for u in units], args.seq_len, varlen=False))
 
-    def ours() -> tuple[float, float]:
-        synchronize(world.device)
-        t0 = time.perf_counter()
-        train_step(run.model, our_rows, {0: float(loss_tokens)}, config, world)
-        synchronize(world.device)
-        t1 = time.perf_counter()
-        run.optimizer_step(1.0)
-        synchronize(world.device)
-        return t1 - t0, time.perf_counter() - t1
+    timer = PhaseTimer(world.device)
+
+    def ours() -> None:
+        with timer("fwd_bwd"):
+            train_step(run.model, our_rows, {0: float(loss_tokens)}, config, world)
+        with timer("optimizer"):
+            run.optimizer_step(1.0)
 
     from transformers import AutoModelForCausalLM
 
@@ -203,12 +197,12 @@ def main() -> None:
     one_pass = [collate(pack_samples(samples, max(lengths)), concatenate=False).to(world.device)]
 
     results = {
-        "ours (FSDP2, 1 rank)": timed(ours, args.warmup, args.steps),
+        "ours (FSDP2, 1 rank)": timed(ours, timer, args.warmup, args.steps),
         "bare, a forward per row": timed(
-            lambda: bare_step(bare, optimizer, per_row, loss_tokens, dtype), args.warmup, args.steps
+            lambda: bare_step(bare, optimizer, per_row, loss_tokens, dtype, timer), timer, args.warmup, args.steps
         ),
         "bare, a row per sample, one fwd": timed(
-            lambda: bare_step(bare, optimizer, one_pass, loss_tokens, dtype), args.warmup, args.steps
+            lambda: bare_step(bare, optimizer, one_pass, loss_tokens, dtype, timer), timer, args.warmup, args.steps
         ),
     }
     params = sum(p.numel() for p in bare.parameters())

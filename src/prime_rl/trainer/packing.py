@@ -170,6 +170,7 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_c
         shared = first_trained - 1 if attention_cost is not None else 0
         key = (shared, array("q", sample.token_ids[:shared]).tobytes()) if shared > 0 else i
         groups.setdefault(key, []).append(i)
+    cost = attention_cost or 0.0  # (None shares nothing: every group above is one sample)
     units: list[Unit] = []
     for key, members in groups.items():
         prompt = key[0] if isinstance(key, tuple) else 0
@@ -183,7 +184,6 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_c
             length += added
         together.append(_unit(samples, current, prompt))
         alone = [_unit(samples, [i], 0) for i in members]
-        cost = attention_cost or 0.0
         if sum(unit_cost(u, cost) for u in together) < sum(unit_cost(u, cost) for u in alone):
             units += together
         else:

@@ -8,7 +8,7 @@ and reads top to bottom; the rest is here, once:
         run = build_run(config, world, "sft", max_steps, "fine-tuning")  # FSDP2 model, optimizer, schedule, resume
         meter = StepMeter(run.model.config, config.seq_len, world)
         ...
-        rows, info = next_rows(world, config.seq_len, config.model.attn, run.model.config, take_samples, errors)  # rank 0 packs
+        rows, info = next_rows(world, config.seq_len, config.model.attn, run.model.config, take_samples, errors)
         ...  forward/backward every row (the loop's loss)
         grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         sums = all_reduce_sums(totals, world)
