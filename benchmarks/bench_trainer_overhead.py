@@ -50,6 +50,7 @@ from prime_rl.trainer.parallel.distributed import init_distributed
 from prime_rl.trainer.perf import PhaseTimer, attention_entry_cost
 from prime_rl.trainer.rl.step import train_step
 from prime_rl.trainer.scaffold import build_run
+from prime_rl.utils.malloc import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +143,11 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="ours: positions per forward")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="both loops with glibc's default malloc, as before the trainer kept freed memory",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
@@ -162,6 +168,8 @@ def main() -> None:
         output_dir=Path(tmp.name) / "out",
     )
     world = init_distributed()
+    if world.device.type == "cpu" and not args.malloc_defaults:
+        keep_freed_memory()  # as the trainer's process does, for both loops alike
     run = build_run(config, world, "trainer", 1, "benchmarking")
     samples = grpo_samples(
         run.model.config.vocab_size,

@@ -49,6 +49,7 @@ from prime_rl.trainer.perf import (
 )
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.malloc import keep_freed_memory
 from prime_rl.utils.monitor import Monitor, MonitorError
 
 SETUP_ERRORS = (FileNotFoundError, SetupError, HeadError, MonitorError, OutputDirBusy)
@@ -63,13 +64,15 @@ SETUP_ERRORS = (FileNotFoundError, SetupError, HeadError, MonitorError, OutputDi
 def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> Iterator[tuple[World, Monitor | None]]:
     """Run the body as one rank of `role` ("trainer" or "sft"); yields the world and rank 0's monitor (else None).
 
-    In order: die with the torchrun agent, join the process group, take `{output_dir}/.locks/<role>.lock` on
+    In order: die with the torchrun agent, join the process group, keep freed memory on CPU, take `{output_dir}/.locks/<role>.lock` on
     rank 0 (a second run of the role on the same output_dir stops here, before it writes anything), then
     logs, the resolved config and the monitor. An expected failure (`errors`, `SETUP_ERRORS`) exits 1 without
     a traceback; rank 0 prints its message once (`next_rows` and the lock raise it on every rank alike).
     """
     die_with_torchrun_agent()
     world = init_distributed(config.model.cp)
+    if world.device.type == "cpu":
+        keep_freed_memory()  # every step reuses the memory the last one freed, instead of faulting it in again
     setup_logging(role, config.log.level)  # the console only, until the output dir is ours
     if not world.is_main:
         logger.remove()  # one console, rank 0's: loguru drops messages when no sink is left
