@@ -13,8 +13,8 @@ import ctypes, ctypes.util, sys, torch
 from prime_rl.utils.malloc import keep_freed_memory
 
 class Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.mallinfo2.restype = Mallinfo2

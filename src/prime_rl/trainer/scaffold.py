@@ -64,10 +64,11 @@ SETUP_ERRORS = (FileNotFoundError, SetupError, HeadError, MonitorError, OutputDi
 def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> Iterator[tuple[World, Monitor | None]]:
     """Run the body as one rank of `role` ("trainer" or "sft"); yields the world and rank 0's monitor (else None).
 
-    In order: die with the torchrun agent, join the process group, keep freed memory on CPU, take `{output_dir}/.locks/<role>.lock` on
-    rank 0 (a second run of the role on the same output_dir stops here, before it writes anything), then
-    logs, the resolved config and the monitor. An expected failure (`errors`, `SETUP_ERRORS`) exits 1 without
-    a traceback; rank 0 prints its message once (`next_rows` and the lock raise it on every rank alike).
+    In order: die with the torchrun agent, join the process group, keep freed memory on CPU, take
+    `{output_dir}/.locks/<role>.lock` on rank 0 (a second run of the role on the same output_dir stops here, before
+    it writes anything), then logs, the resolved config and the monitor. An expected failure (`errors`,
+    `SETUP_ERRORS`) exits 1 without a traceback; rank 0 prints its message once (`next_rows` and the lock raise
+    it on every rank alike).
     """
     die_with_torchrun_agent()
     world = init_distributed(config.model.cp)
