@@ -10,7 +10,6 @@ it, and the peak grows a little with the heap's fragmentation (+8% RSS in that r
 """
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # mallopt's parameter numbers (malloc.h)
 MMAP_THRESHOLD = 32 * 2**20
@@ -26,10 +25,7 @@ the heap's free top comes from there whatever its size, so even the largest ones
 
 def keep_freed_memory() -> bool:
     """Set glibc's malloc to keep what the process frees; False where the C library is not glibc (nothing set)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
+    libc = ctypes.CDLL(None)  # the symbols already loaded, the C library's among them: no search for its file
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
