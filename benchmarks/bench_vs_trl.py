@@ -24,9 +24,11 @@ Per run each side is timed from launch to exit, its whole process tree sampled e
 noted (ours: the arrival of the trainer's line in metrics.jsonl; TRL: a callback's timestamp). Steady state is
 steps `--skip`+1..N; start-up is the end of step 1 less one steady step (what comes before step 1). Then one `eval`
 (the `--eval-config`, one server) scores both final policies with the same code, the start policy served as `base`.
-Sides alternate their order per run. Everything runs under an exclusive lock on `--lock` (/tmp/bench.lock), which
-every CPU timing on this shared machine takes, so timings never overlap. `background CPU %` is the machine's busy
-time outside the tree and this script during the steady window: a large value means the timing was disturbed.
+Sides alternate their order per run, and run r seeds both with the config's seed + r (the task order and the
+sampling): with one seed TRL repeats a run exactly, so its runs would be one draw. Everything runs under an exclusive
+lock on `--lock` (/tmp/bench.lock), which every CPU timing on this shared machine takes, so timings never overlap.
+`background CPU %` is the machine's busy time outside the tree and this script during the steady window: a large value
+means the timing was disturbed.
 """
 
 from __future__ import annotations
@@ -381,8 +383,13 @@ def our_settings(args) -> tuple[object, list[str]]:
     return config, flags
 
 
-def peer_spec(config, output_dir: Path) -> dict:
-    """The TRL child's settings, read off our resolved config."""
+def run_seed_flags(seed: int) -> list[str]:
+    """Our side's flags for a run's seed: the buffer's task order and the engine's sampling."""
+    return ["--orchestrator.buffer.seed", str(seed), "--inference.seed", str(seed)]
+
+
+def peer_spec(config, output_dir: Path, seed: int) -> dict:
+    """The TRL child's settings, read off our resolved config; `seed` fixes its task order and sampling."""
     orch, trainer = config.orchestrator, config.trainer
     if [e.id for e in orch.env] != ["reverse-text"]:
         raise SystemExit(f"the TRL side knows the reverse-text reward only, not {[e.id for e in orch.env]}")
@@ -406,7 +413,7 @@ def peer_spec(config, output_dir: Path) -> dict:
         "betas": list(trainer.optim.betas),
         "max_norm": trainer.optim.max_norm,
         "warmup_steps": trainer.scheduler.warmup_steps,
-        "seed": trainer.seed,
+        "seed": seed,
         "output_dir": str(output_dir),
     }
 
@@ -444,7 +451,10 @@ def main() -> None:
     for run in range(args.runs):
         run_dir = args.work_dir / f"{stamp}-run{run + 1}"
         run_dir.mkdir(parents=True)
-        spec = peer_spec(config, run_dir / "trl")
+        # Run r gives both sides seed r: with one seed TRL repeats its run bit for bit (step rewards identical,
+        # 2026-11-27), and a mean over its runs would be one draw against ours' several.
+        seed = config.trainer.seed + run
+        spec = peer_spec(config, run_dir / "trl", seed)
         (run_dir / "trl.json").write_text(json.dumps(spec, indent=2))
         peer = Side(
             "TRL",
@@ -460,6 +470,7 @@ def main() -> None:
             [
                 bin_path("rl"),
                 *flags,
+                *run_seed_flags(seed),
                 "--output-dir",
                 str(run_dir / "ours"),
                 "--inference.server.port",

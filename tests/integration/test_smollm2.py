@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 from conftest import API_KEY, RUN_SECRET
+from safetensors.torch import load_file
 from token_spans import masked_runs, responses_by_prompt, spy_generations
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -325,6 +326,9 @@ def test_rl_step_with_a_weight_swap_then_eval(smol):
 
     policy = out / "broadcasts" / "step_2"
     assert (policy / "STABLE").exists()
+    # The policy leaves the fp32 trainer in fp32, not in this checkpoint's bf16, where steps of lr 3e-6 vanish (bf16
+    # keeps 8 significant bits: a weight of 0.05 moves in steps of 2.4e-4) and the sampler serves the start policy.
+    assert {t.dtype for t in load_file(policy / "model.safetensors").values()} == {torch.float32}
     saved = AutoTokenizer.from_pretrained(policy)
     assert saved.apply_chat_template(CONVERSATION) == smol.tokenizer.apply_chat_template(CONVERSATION)
     assert (

@@ -136,3 +136,15 @@ def test_top_others_names_the_busiest_outside_processes():
     assert [pid for pid, _ in top] == [1, 3, 2]
     assert [round(cpu) for _, cpu in top] == [50, 10, 5]
     assert bench.top_others(snapshots, 0.0, 10.0, n=1) == top[:1]
+
+
+def test_a_runs_seed_reaches_both_sides(tmp_path):
+    """Run r's seed sets our buffer's task order and engine's sampling, and TRL's seed (one seed repeats TRL's run)."""
+    from prime_rl.config.loader import load_config
+    from prime_rl.rl.config import RLConfig
+
+    flags = ["@", str(ROOT / "configs/reverse_text/rl.toml"), "--output-dir", str(tmp_path)]
+    config, _ = load_config(RLConfig, "rl", flags + bench.run_seed_flags(3))
+    assert (config.orchestrator.buffer.seed, config.inference.seed) == (3, 3)
+    assert config.trainer.seed == 0  # the base the bench adds the run's index to
+    assert bench.peer_spec(config, tmp_path / "trl", 3)["seed"] == 3

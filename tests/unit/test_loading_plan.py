@@ -5,6 +5,7 @@ import shutil
 
 import huggingface_hub
 import pytest
+import torch
 from loguru import logger
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 from prime_rl.trainer.config import TrainerModelConfig
 from prime_rl.trainer.model import loading
-from prime_rl.trainer.model.build import load_arch, parameters_on_meta
+from prime_rl.trainer.model.build import export_dtype, load_arch, parameters_on_meta
 from prime_rl.trainer.model.loading import CheckpointPlan, checkpoint_plan, this_ranks_plan, unreadable
 
 
@@ -82,3 +83,14 @@ def test_a_planned_file_that_is_missing_or_differs_is_unreadable_and_says_why(mo
     save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
     reason = unreadable(CheckpointPlan(other, files), expected)
     assert reason.startswith("model.norm.weight has shape") and "in the model" in reason
+
+
+def test_weights_leave_the_trainer_in_float32_when_it_trains_in_float32(model_dir, tmp_path):
+    """A bf16 checkpoint trained in fp32 was published in bf16: the sampler drew from rounded weights, not the ones
+    the trainer scored. Training in bf16 keeps the checkpoint's dtype, as does an fp32 checkpoint either way."""
+    bf16_dir = build_tiny_model(TinyModelConfig(output=tmp_path / "bf16", dtype="bfloat16"))
+    bf16, fp32 = (load_arch(TrainerModelConfig(name=str(d))) for d in (bf16_dir, model_dir))
+    assert (bf16.dtype, fp32.dtype) == (torch.bfloat16, torch.float32)
+    assert export_dtype(bf16, "float32") == torch.float32
+    assert export_dtype(bf16, "bfloat16") == torch.bfloat16
+    assert export_dtype(fp32, "bfloat16") == export_dtype(fp32, "float32") == torch.float32

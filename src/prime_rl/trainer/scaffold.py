@@ -34,7 +34,7 @@ from prime_rl.batch import TrainingSample
 from prime_rl.config.loader import write_resolved_config
 from prime_rl.trainer.ckpt import CheckpointManager, P, Progress, resolve_resume_step
 from prime_rl.trainer.config import TrainerModelConfig
-from prime_rl.trainer.model.build import SetupError, build_model, check_device, load_arch, stored_dtype
+from prime_rl.trainer.model.build import SetupError, build_model, check_device, export_dtype, load_arch
 from prime_rl.trainer.model.logprobs import HeadError
 from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, move_optimizer_state
@@ -151,7 +151,7 @@ class Run:
     progress: Progress
     """Where the run stands (restored from the checkpoint on resume); the loop replaces it after each step."""
     export_dtype: torch.dtype
-    """The dtype of the model's own checkpoint: published or exported weights are written back in it."""
+    """What published and exported weights are written in: the checkpoint's dtype, or float32 when training in it."""
     offload_device: torch.device | None = None
     """With `optim.cpu_offload`: the device the optimizer state comes to for each step (it lives on the host)."""
     adapters: LoRAAdapters | None = None
@@ -184,14 +184,14 @@ class Run:
 
 
 def load_model(config, world: World) -> tuple[PreTrainedModel, torch.dtype]:
-    """The sharded model (seeded) and the dtype of its checkpoint, which published or exported weights are written in."""
+    """The sharded model (seeded) and the dtype published and exported weights are written in (`export_dtype`)."""
     check_device(config.model, config.optim, world.device)
     torch.manual_seed(config.seed)
     arch = load_arch(config.model)
-    export_dtype = stored_dtype(arch)
+    dtype = export_dtype(arch, config.model.dtype)
     model = build_model(config.model, arch, world, config.seed)
-    model.config.dtype = export_dtype
-    return model, export_dtype
+    model.config.dtype = dtype
+    return model, dtype
 
 
 def build_run(

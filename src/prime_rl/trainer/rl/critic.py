@@ -31,11 +31,11 @@ from prime_rl.trainer.config import CriticConfig, TrainerModelConfig
 from prime_rl.trainer.model.build import (
     SetupError,
     check_device,
+    export_dtype,
     load_arch,
     materialise,
     parameters_on_meta,
     shard_model,
-    stored_dtype,
 )
 from prime_rl.trainer.model.loading import scatter_from_rank0
 from prime_rl.trainer.model.logprobs import model_attention_mask, shift_to_tokens
@@ -195,7 +195,8 @@ def build_critic(config, world: World, max_steps: int | None, resume_step: int |
     params = sum(p.numel() for p in model.parameters()) / 1e6
     logger.info(f"critic: value model on {model_config.name}, {params:.2f}M params")
     offload = world.device if critic.optim.cpu_offload else None
-    return Run(model, optimizer, scheduler, ckpt, progress, stored_dtype(load_arch(model_config)), offload)
+    dtype = export_dtype(load_arch(model_config), model_config.dtype)
+    return Run(model, optimizer, scheduler, ckpt, progress, dtype, offload)
 
 
 # ---------------------------------------------------------------------------------------------------------
