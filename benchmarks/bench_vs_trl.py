@@ -24,7 +24,7 @@ Per run each side is timed from launch to exit, its whole process tree sampled e
 noted (ours: the arrival of the trainer's line in metrics.jsonl; TRL: a callback's timestamp). Steady state is
 steps `--skip`+1..N; start-up is the end of step 1 less one steady step (what comes before step 1). Then one `eval`
 (the `--eval-config`, one server) scores both final policies with the same code, the start policy served as `base`.
-Sides alternate their order per run, and run r seeds both with the config's seed + r (the task order and the
+Sides alternate their order per run, and run r seeds both with `--seed` + r - 1 (the task order and the
 sampling): with one seed TRL repeats a run exactly, so its runs would be one draw. Everything runs under an exclusive
 lock on `--lock` (/tmp/bench.lock), which every CPU timing on this shared machine takes, so timings never overlap.
 `background CPU %` is the machine's busy time outside the tree and this script during the steady window: a large value
@@ -426,6 +426,7 @@ def main() -> None:
     parser.add_argument("--ours-config", type=Path, default=ROOT / "configs/reverse_text/rl.toml")
     parser.add_argument("--eval-config", type=Path, default=ROOT / "configs/reverse_text/eval.toml")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "outputs/bench-vs-trl")
+    parser.add_argument("--seed", type=int, help="run 1's seed, run r's seed + r - 1 (default: the trainer's seed)")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the steady state")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples of a process tree")
     parser.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="held for all the runs")
@@ -451,9 +452,9 @@ def main() -> None:
     for run in range(args.runs):
         run_dir = args.work_dir / f"{stamp}-run{run + 1}"
         run_dir.mkdir(parents=True)
-        # Run r gives both sides seed r: with one seed TRL repeats its run bit for bit (step rewards identical,
-        # 2026-11-27), and a mean over its runs would be one draw against ours' several.
-        seed = config.trainer.seed + run
+        # Each run its own seed, on both sides: with one seed TRL repeats its run bit for bit (step rewards
+        # identical, 2026-11-27), and a mean over its runs would be one draw against ours' several.
+        seed = (config.trainer.seed if args.seed is None else args.seed) + run
         spec = peer_spec(config, run_dir / "trl", seed)
         (run_dir / "trl.json").write_text(json.dumps(spec, indent=2))
         peer = Side(
