@@ -97,7 +97,12 @@ class FakeEngine:
             raise self.lora_failure
         return True
 
-    async def pause_generation(self, mode, clear_cache):
+    @property
+    def engine_core(self):  # AsyncLLM's client of its engine process, which holds the scheduler
+        return self
+
+    async def pause_scheduler_async(self, mode, clear_cache):
+        assert mode == "keep" and not clear_cache, "a swap keeps the requests in flight and the KV cache"
         self.paused = True
 
     async def resume_generation(self):
