@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reverse-text demo, end to end on a CPU (about 3-5 minutes: 4 min 32 s measured 2026-11-27 on a slow 2-core CPU):
+# The reverse-text demo, end to end on a CPU (about 3-5 minutes: 3 min 55 s measured 2026-11-28 on a slow 2-core CPU):
 # build a tiny random-init model -> SFT warm-up -> RL with vLLM, the orchestrator and the torchrun FSDP2 trainer ->
 # held-out eval of all three.
 # Ends with one line: `reverse-text reward: base X, sft Y, rl Z`. Everything lands in outputs/reverse-text/.
