@@ -22,28 +22,17 @@ import re
 import statistics
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
-import psutil
+from bench_orchestrator import cpu_by_pid, cpu_delta, tree
 
 from prime_rl.inference.process import InferenceServer
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
 
 API_KEY = "bench-key"
-
-
-def server_cpu(server: InferenceServer) -> float:
-    """user + system CPU seconds of the server and its engine so far."""
-    root = psutil.Process(server.proc.pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "configs" / "reverse_text" / "model.toml"
 
 
 def counters(server: InferenceServer) -> dict[str, float]:
@@ -80,9 +69,10 @@ def bench(block: int, args, out: Path, vocab: int) -> dict[str, float]:
         rng = random.Random(0)
         rows = []
         for i in range(args.rounds + 1):
-            c0, t0, n0 = server_cpu(server), time.perf_counter(), counters(server)
+            c0, t0, n0 = cpu_by_pid(tree(server.proc.pid)), time.perf_counter(), counters(server)
             asyncio.run(one_round(server, args, rng, vocab))
-            wall, cpu, n1 = time.perf_counter() - t0, server_cpu(server) - c0, counters(server)
+            wall, n1 = time.perf_counter() - t0, counters(server)
+            cpu = cpu_delta(c0, cpu_by_pid(tree(server.proc.pid)))
             if i:  # the first round warms up
                 hits = n1["hits"] - n0["hits"]
                 rows.append({"wall": wall, "cpu": cpu, "computed": n1["prompt"] - n0["prompt"] - hits, "hits": hits})
@@ -105,9 +95,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-blocks-") as tmp:
         out = Path(tmp)
         if args.model is None:
-            shape = TinyModelConfig(output=out / "model", vocab_size=282, num_heads=8, num_kv_heads=8, head_dim=32,
-                                    intermediate_size=512, max_position_embeddings=1024)  # fmt: skip
-            args.model = build_tiny_model(shape)
+            demo = tomllib.loads(DEMO_MODEL.read_text())
+            args.model = build_tiny_model(TinyModelConfig(**{**demo, "output": out / "model"}))
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(args.model).vocab_size
