@@ -263,6 +263,13 @@ def test_bad_requests_get_4xx_and_weights_stay(server):
     assert r.status_code == 401
     # Still serving, with the same weights and version.
     assert generate(server, max_tokens=10) == before
+    # The log names every refused request; a successful sampling request leaves no line (QuietSampling).
+    refused = '"POST /inference/v1/generate HTTP/1.1" 401'
+    deadline = time.monotonic() + 10
+    while refused not in (log := server.log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the server copies its output into the file from a thread
+    assert refused in log and '"POST /update_weights HTTP/1.1" 404' in log
+    assert '"POST /inference/v1/generate HTTP/1.1" 200' not in log
 
 
 def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monkeypatch, verifiers_loop):

@@ -590,3 +590,37 @@ def test_the_api_key_never_reaches_the_log():
     assert "s3cret" in args  # vLLM gets it in-process (not on a command line)
     shown = " ".join(masked(args))
     assert "s3cret" not in shown and "other" not in shown and "--api-key ***" in shown and "--seed 1" in shown
+
+
+def test_successful_sampling_requests_leave_no_access_line_and_everything_else_does():
+    from prime_rl.inference.server import QuietSampling
+
+    lines = []
+    access = logging.getLogger("test.uvicorn.access")
+    access.propagate = False
+    access.setLevel(logging.INFO)
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    access.addHandler(handler)
+    access.addFilter(QuietSampling())
+    requests = [  # as uvicorn logs them: client, method, path with query, HTTP version, status
+        ("POST", "/inference/v1/generate", 200),
+        ("POST", "/v1/chat/completions?x=1", 200),
+        ("GET", "/v1/models", 200),
+        ("POST", "/inference/v1/generate", 401),
+        ("POST", "/v1/chat/completions", 400),
+        ("POST", "/v1/completions", 500),
+        ("POST", "/update_weights", 200),
+        ("GET", "/health", 200),
+    ]
+    for method, path, status in requests:
+        access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", method, path, "1.1", status)
+    access.info("a line of another shape")
+    assert lines == [
+        '127.0.0.1:5 - "POST /inference/v1/generate HTTP/1.1" 401',
+        '127.0.0.1:5 - "POST /v1/chat/completions HTTP/1.1" 400',
+        '127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 500',
+        '127.0.0.1:5 - "POST /update_weights HTTP/1.1" 200',
+        '127.0.0.1:5 - "GET /health HTTP/1.1" 200',
+        "a line of another shape",
+    ]
