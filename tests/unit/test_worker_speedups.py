@@ -134,3 +134,38 @@ def test_verifiers_openai_clients_pool_on_aiohttp_and_still_talk_http(monkeypatc
     monkeypatch.setenv("K", "secret")
     asyncio.run(main())
     assert seen == [{"auth": "Bearer secret", "body": {"x": [1, 2]}}]
+
+
+def test_pooled_connections_are_dropped_before_the_server_would_drop_them(monkeypatch):
+    """A connection idle for less than `KEEPALIVE_EXPIRY` is reused, one idle longer is not: the client closes it
+    before vLLM's uvicorn (keep-alive `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) could close it under a request."""
+    import vllm.envs
+    from verifiers.v1.clients import base
+    from verifiers.v1.configs.client import BaseClientConfig
+
+    from prime_rl.orchestrator import patches
+
+    assert patches.KEEPALIVE_EXPIRY < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    monkeypatch.setattr(base, "build_async_httpx", base.build_async_httpx)  # undone after the test
+    monkeypatch.setattr(patches, "KEEPALIVE_EXPIRY", 0.3)  # read when the patch builds its pool limits
+    patches.pool_http_clients_on_aiohttp()
+    ports = []
+
+    async def handler(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])  # the client's end: one per connection
+        return web.json_response({})
+
+    async def main():
+        runner, port = await serve("/v1/x", handler)
+        try:
+            client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
+            for pause in (0.0, 0.1, 0.8):
+                await asyncio.sleep(pause)
+                await client.post("/x", body={}, cast_to=httpx.Response)
+            await patches.close_pooled_clients()
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setenv("K", "secret")
+    asyncio.run(main())
+    assert ports[0] == ports[1] != ports[2], ports
