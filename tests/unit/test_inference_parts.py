@@ -596,9 +596,7 @@ def test_successful_sampling_requests_leave_no_access_line_and_everything_else_d
     from prime_rl.inference.server import QuietSampling
 
     lines = []
-    access = logging.getLogger("test.uvicorn.access")
-    access.propagate = False
-    access.setLevel(logging.INFO)
+    access = logging.Logger("uvicorn.access", logging.INFO)  # a fresh one, outside the logging tree
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     access.addHandler(handler)
