@@ -196,6 +196,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
 
     def inference(name: str, core: int) -> Host:
         flags = ["--deployment.roles", "[inference]", "--inference.server.host", addr[name]]
+        flags += ["--inference.log.level", "debug"]  # logs every request: the order of swap and work, below
         return host(name, flags, {**base, "VLLM_CPU_OMP_THREADS_BIND": str(core)})
 
     server_a, server_b = inference("inference-a", 0), inference("inference-b", 1)
