@@ -136,18 +136,21 @@ def test_verifiers_openai_clients_pool_on_aiohttp_and_still_talk_http(monkeypatc
     assert seen == [{"auth": "Bearer secret", "body": {"x": [1, 2]}}]
 
 
-def test_pooled_connections_are_dropped_before_the_server_would_drop_them(monkeypatch):
-    """A connection idle for less than `KEEPALIVE_EXPIRY` is reused, one idle longer is not: the client closes it
-    before vLLM's uvicorn (keep-alive `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) could close it under a request."""
+def test_pooled_connections_are_dropped_before_the_server_would_drop_them(monkeypatch, tmp_path):
+    """Through the sampling client (the patched verifiers one) and an admin client (`InferenceServers`), a connection
+    idle for less than `KEEPALIVE_EXPIRY` is reused, one idle longer is not: the client closes it before vLLM's
+    uvicorn (keep-alive `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) could close it under a request."""
     import vllm.envs
     from verifiers.v1.clients import base
     from verifiers.v1.configs.client import BaseClientConfig
 
     from prime_rl.orchestrator import patches
+    from prime_rl.orchestrator.servers import InferenceServers
+    from prime_rl.utils import net
 
-    assert patches.KEEPALIVE_EXPIRY < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    assert net.KEEPALIVE_EXPIRY < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     monkeypatch.setattr(base, "build_async_httpx", base.build_async_httpx)  # undone after the test
-    monkeypatch.setattr(patches, "KEEPALIVE_EXPIRY", 0.3)  # read when the patch builds its pool limits
+    monkeypatch.setattr(net, "KEEPALIVE_EXPIRY", 0.3)  # read when the clients' pool limits are built
     patches.pool_http_clients_on_aiohttp()
     ports = []
 
@@ -157,15 +160,20 @@ def test_pooled_connections_are_dropped_before_the_server_would_drop_them(monkey
 
     async def main():
         runner, port = await serve("/v1/x", handler)
+        url = f"http://127.0.0.1:{port}/v1"
         try:
-            client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
-            for pause in (0.0, 0.1, 0.8):
-                await asyncio.sleep(pause)
-                await client.post("/x", body={}, cast_to=httpx.Response)
+            client = base.build_async_openai(BaseClientConfig(base_url=url, api_key_var="K"))
+            admin = InferenceServers([url], "K", 5, tmp_path).admin[url]
+            for post in (lambda: client.post("/x", body={}, cast_to=httpx.Response), lambda: admin.post("/v1/x")):
+                for pause in (0.0, 0.1, 0.8):
+                    await asyncio.sleep(pause)
+                    await post()
             await patches.close_pooled_clients()
+            await admin.aclose()
         finally:
             await runner.cleanup()
 
     monkeypatch.setenv("K", "secret")
     asyncio.run(main())
-    assert ports[0] == ports[1] != ports[2], ports
+    sampling, admin = ports[:3], ports[3:]
+    assert sampling[0] == sampling[1] != sampling[2] and admin[0] == admin[1] != admin[2], ports

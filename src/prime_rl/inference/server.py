@@ -22,7 +22,8 @@ from prime_rl.utils.secret import SecretError
 PLUGIN_NAME = "prime_rl"
 
 SAMPLING_ROUTES = ("/v1/", "/inference/v1/")
-"""Path prefixes of the routes clients sample from (OpenAI's and vLLM's token-in, token-out `generate`)."""
+"""Path prefixes of the per-model-call traffic: vLLM's OpenAI routes (`/v1/models` too) and its token-in, token-out
+`generate`."""
 
 
 class QuietSampling(logging.Filter):

@@ -28,6 +28,7 @@ import logging
 import weakref
 
 from prime_rl.orchestrator.samples import expand_version_spans
+from prime_rl.utils import net
 
 _captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
 _pooled_clients: weakref.WeakSet = weakref.WeakSet()
@@ -164,7 +165,7 @@ def pool_http_clients_on_aiohttp() -> None:
     `httpx_aiohttp` is the transport the OpenAI SDK itself offers for this (`DefaultAioHttpClient`); the client is
     still an `httpx.AsyncClient`, with verifiers' timeout, so nothing else changes. verifiers never closes these
     clients (httpx does not mind; aiohttp warns about an unclosed session at exit): `close_pooled_clients` does.
-    An idle connection is dropped after `KEEPALIVE_EXPIRY` seconds, before the server would close it.
+    An idle connection is dropped after `net.KEEPALIVE_EXPIRY` seconds, before the server would close it.
     """
     import httpx
     import httpx_aiohttp
@@ -176,7 +177,7 @@ def pool_http_clients_on_aiohttp() -> None:
     limits = httpx.Limits(
         max_connections=base.DEFAULT_LIMITS.max_connections,
         max_keepalive_connections=base.DEFAULT_LIMITS.max_keepalive_connections,
-        keepalive_expiry=KEEPALIVE_EXPIRY,
+        keepalive_expiry=net.KEEPALIVE_EXPIRY,
     )
 
     def build_async_httpx(config) -> httpx.AsyncClient:
@@ -187,16 +188,6 @@ def pool_http_clients_on_aiohttp() -> None:
 
     build_async_httpx._prime_rl = True
     base.build_async_httpx = build_async_httpx
-
-
-KEEPALIVE_EXPIRY = 2.0
-"""Seconds a pooled connection to a server may idle before it is closed: less than the 5 s after which vLLM's
-uvicorn closes an idle one (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`). With httpx's default, also 5 s, a connection idle that
-long could be reused just as the server closed it. Model calls that wait at the policy gate for seconds (the 135M
-runs, at k = 1) met that: one call failed right after a weight swap, with "Request timed out" (aiohttp's "Server
-disconnected", which the transport maps to `httpx.ConnectTimeout`), and the orchestrator paused the server as failing
-for 10-13 s (twice in ~45 steps, 2026-11-28). The same error comes back from a uvicorn server whose loop is busy when
-a connection's keep-alive runs out and a pool that keeps connections longer than the server does."""
 
 
 async def close_pooled_clients() -> None:

@@ -25,6 +25,7 @@ import httpx
 from loguru import logger
 
 from prime_rl.orchestrator.broadcast import BroadcastClient
+from prime_rl.utils import net
 from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
 
 LOAD_ATTEMPTS = 3
@@ -56,7 +57,7 @@ class InferenceServers:
         """Workers per server (members of a broadcast group), asked once per server life."""
         key = os.environ.get(api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
+        limits = httpx.Limits(max_connections=2, max_keepalive_connections=2, keepalive_expiry=net.KEEPALIVE_EXPIRY)
         self.admin = {
             url: httpx.AsyncClient(base_url=self.root(url), headers=headers, timeout=timeout, limits=limits)
             for url in self.urls

@@ -3,6 +3,16 @@
 import ipaddress
 import socket
 
+KEEPALIVE_EXPIRY = 2.0
+"""Seconds a pooled HTTP connection to an inference server may idle before the client closes it: less than the 5 s
+after which vLLM's uvicorn closes an idle one (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`). With httpx's default, also 5 s, a
+connection idle that long could be reused just as the server closed it. Model calls that wait at the policy gate for
+seconds (the 135M runs, at k = 1) met that: one call failed right after a weight swap, with "Request timed out"
+(aiohttp's "Server disconnected", which `httpx_aiohttp` maps to `httpx.ConnectTimeout`), and the orchestrator paused
+the server as failing for 10-13 s (twice in ~45 steps, 2026-11-28). The same error comes back from a uvicorn server
+whose loop is busy when a connection's keep-alive runs out and a pool that keeps connections longer than the server
+does. The orchestrator's sampling clients (`orchestrator.patches`) and admin clients (`orchestrator.servers`) use it."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
