@@ -151,6 +151,40 @@ def test_rollout_workers_close_before_they_started(tmp_path):
     asyncio.run(workers.close(grace=0.1))
 
 
+def test_a_request_refused_while_the_in_process_worker_closes_logs_no_warning_and_one_after_does(tmp_path, caplog):
+    """A group cancelled at the end of a run ends its rollouts' sessions while a request their harness already sent is
+    still on its way: the interception server refuses it and would warn once per rollout (8 warnings at the end of
+    most k = 1 demo runs). While the worker closes that warning is dropped; before and after, it is logged."""
+    import asyncio
+    import logging
+
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.worker import INTERCEPTION_LOGGER, InProcessWorker
+
+    interception = logging.getLogger(INTERCEPTION_LOGGER)
+    worker = InProcessWorker(OrchestratorConfig(output_dir=tmp_path, workers=0), "info")
+
+    async def group_refused_as_it_is_cancelled():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            interception.warning("interception: unauthorized request")  # the late request of a cancelled rollout
+
+    async def run() -> asyncio.Task:
+        group = asyncio.create_task(group_refused_as_it_is_cancelled())
+        worker.running.add(group)
+        await asyncio.sleep(0)  # the group runs
+        await worker.close()
+        return group
+
+    with caplog.at_level(logging.WARNING, logger=INTERCEPTION_LOGGER):
+        interception.warning("interception: unauthorized request")
+        assert asyncio.run(run()).cancelled()
+        interception.warning("interception: unauthorized request")
+    refused = [r for r in caplog.records if r.name == INTERCEPTION_LOGGER]
+    assert len(refused) == 2  # the one before and the one after close; the one during it was dropped
+
+
 def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_path, capsys):
     # One host: `rl` picks a free port for the trainer's store, the same in both sections; the store is local.
     config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")

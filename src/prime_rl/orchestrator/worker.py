@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from loguru import logger
 
 from prime_rl.orchestrator.envs import load_env
 from prime_rl.orchestrator.messages import (
@@ -157,6 +158,29 @@ async def serving(worker: Worker):
             await stack.enter_async_context(env.serving())
         await worker.warm_renderers()
         yield worker
+
+
+INTERCEPTION_LOGGER = "verifiers.v1.interception.server"
+
+
+class LateRequests(logging.Filter):
+    """Drops the interception server's "unauthorized request" warning. A group cancelled at shutdown ends its rollouts'
+    sessions while a request their harness already sent may still be on its way: the server refuses it (401), as it
+    should, and would log one warning per rollout at the end of every run that stops with groups in flight."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "unauthorized request" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def late_requests_refused_quietly():
+    """While in flight groups are cancelled: see `LateRequests`. Any other time such a request is worth a warning."""
+    quiet = LateRequests()
+    logging.getLogger(INTERCEPTION_LOGGER).addFilter(quiet)
+    try:
+        yield
+    finally:
+        logging.getLogger(INTERCEPTION_LOGGER).removeFilter(quiet)
 
 
 def install_worker_patches(level: str) -> None:
@@ -382,10 +406,13 @@ class InProcessWorker:
             return None
 
     async def close(self) -> None:
-        for task in list(self.running):
-            task.cancel()
-        await asyncio.gather(*self.running, return_exceptions=True)
-        await self.stack.aclose()
+        if self.running:
+            logger.info(f"closing: {len(self.running)} group(s) in flight cancelled")
+        with late_requests_refused_quietly():
+            for task in list(self.running):
+                task.cancel()
+            await asyncio.gather(*self.running, return_exceptions=True)
+            await self.stack.aclose()
 
 
 def rollout_workers(config, log_dir: Path | None, level: str) -> RolloutWorkers | InProcessWorker:
