@@ -166,7 +166,7 @@ INTERCEPTION_LOGGER = "verifiers.v1.interception.server"
 class LateRequests(logging.Filter):
     """Drops the interception server's "unauthorized request" warning. A group cancelled at shutdown ends its rollouts'
     sessions while a request their harness already sent may still be on its way: the server refuses it (401), as it
-    should, and would log one warning per rollout at the end of every run that stops with groups in flight."""
+    should, and would log one warning per rollout at the end of a run that stops with groups in flight."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "unauthorized request" not in record.getMessage()
