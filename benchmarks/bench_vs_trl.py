@@ -20,7 +20,9 @@ Its reward parses the completion tokens with that renderer and scores them with 
 TRL's `dapo` (token sum / the step's completion tokens), advantages r - group mean (`scale_rewards="none"`), no KL.
 
 Per run each side is timed from launch to exit, its whole process tree sampled every `--interval` s (CPU from
-/proc/<pid>/stat, PSS from /proc/<pid>/smaps_rollup, summed over descendants), and the end of every trainer step
+/proc/<pid>/stat, summed over descendants; their PSS from /proc/<pid>/smaps_rollup every `--pss-interval` s, since
+the kernel walks a process's page tables for it: ~100 ms of CPU for our tree on the 2-core machine, so read every
+0.5 s it took ~10% of a core from the run it measured, and slowed ours by ~10%), and the end of every trainer step
 noted (ours: the arrival of the trainer's line in metrics.jsonl; TRL: a callback's timestamp). Steady state is
 steps `--skip`+1..N; start-up is the end of step 1 less one steady step (what comes before step 1). Then one `eval`
 (the `--eval-config`, one server) scores both final policies with the same code, the start policy served as `base`.
@@ -28,7 +30,7 @@ Sides alternate their order per run, and run r seeds both with `--seed` + r - 1 
 sampling): with one seed TRL repeats a run exactly, so its runs would be one draw. Everything runs under an exclusive
 lock on `--lock` (/tmp/bench.lock), which every CPU timing on this shared machine takes, so timings never overlap.
 `background CPU %` is the machine's busy time outside the tree and this script during the steady window: a large value
-means the timing was disturbed.
+means the timing was disturbed; `this script's CPU %` is what measuring cost.
 """
 
 from __future__ import annotations
@@ -147,13 +149,16 @@ class Sample:
     """The tree's PSS now (None: not read at this sample)."""
     busy_s: float
     """Whole-machine busy CPU seconds, minus this script's own."""
+    probe_s: float = 0.0
+    """This script's own CPU seconds so far: what measuring costs the machine."""
 
 
 class TreeSampler:
     """Samples a process tree in a thread until `stop`; `on_tick` runs at every sample (the step-line watcher)."""
 
-    def __init__(self, root: int, interval: float = 0.25, pss_every: int = 2, on_tick=None):
-        self.root, self.interval, self.pss_every, self.on_tick = root, interval, pss_every, on_tick
+    def __init__(self, root: int, interval: float = 0.25, pss_interval: float = 5.0, on_tick=None):
+        self.root, self.interval, self.pss_interval, self.on_tick = root, interval, pss_interval, on_tick
+        self._last_pss = -float("inf")
         self.samples: list[Sample] = []
         self._ticks: dict[tuple[int, int], int] = {}
         self.others: list[tuple[float, dict]] = []
@@ -177,14 +182,17 @@ class TreeSampler:
             if (ticks := cpu_ticks(pid)) is not None:
                 self._ticks[(pid, ticks[0])] = ticks[1]
         pss = None
-        if len(self.samples) % self.pss_every == 0:
+        if time.time() - self._last_pss >= self.pss_interval:
+            self._last_pss = time.time()
             pss = sum(pss_kib(pid) for pid in pids)
             others = other_processes(set(pids))
             self.others.append((time.time(), others))
             for pid in {pid for pid, _ in others} - self.names.keys():
                 self.names[pid] = command_line(pid)
-        busy = machine_busy_ticks() / CLK_TCK - time.process_time()
-        sample = Sample(time.time(), sum(self._ticks.values()) / CLK_TCK, pss, busy)
+        probe = time.process_time()
+        sample = Sample(
+            time.time(), sum(self._ticks.values()) / CLK_TCK, pss, machine_busy_ticks() / CLK_TCK - probe, probe
+        )
         self.samples.append(sample)
         return sample
 
@@ -263,6 +271,7 @@ def run_stats(launch: float, exit_: float, ends: dict[int, float], samples: list
         "steady_steps": f"{first + 1}..{last}",
         "cpu_pct": 100 * cpu / (t1 - t0),
         "background_cpu_pct": max(0.0, 100 * (busy - cpu) / (t1 - t0)),
+        "probe_cpu_pct": 100 * (value_at(samples, t1, "probe_s") - value_at(samples, t0, "probe_s")) / (t1 - t0),
         "peak_pss_gib": max(s.pss_kib or 0 for s in samples) / 2**20,
     }
 
@@ -275,6 +284,7 @@ ROWS = [
     ("peak PSS of the process tree (GiB)", "peak_pss_gib", "{:.2f}"),
     ("held-out reward (eval)", "reward", "{:.3f}"),
     ("background CPU %, steady (should be ~0)", "background_cpu_pct", "{:.0f}"),
+    ("this script's CPU %, steady (the probe; should be ~0)", "probe_cpu_pct", "{:.1f}"),
 ]
 
 
@@ -296,7 +306,7 @@ def format_table(peer: list[dict], ours: list[dict], peer_name: str = "TRL") -> 
         p = [r[key] for r in peer if r.get(key) is not None]
         o = [r[key] for r in ours if r.get(key) is not None]
         ratio = "-"
-        if p and o and key != "background_cpu_pct" and statistics.fmean(p) != 0:
+        if p and o and key not in ("background_cpu_pct", "probe_cpu_pct") and statistics.fmean(p) != 0:
             ratio = f"{statistics.fmean(o) / statistics.fmean(p):.2f}"
         lines.append(f"| {label} | {' | '.join(spread(p, fmt))} | {' | '.join(spread(o, fmt))} | {ratio} |")
     return "\n".join(lines)
@@ -316,13 +326,13 @@ class Side:
     runs: list[dict] = field(default_factory=list)
 
 
-def run_side(side: Side, log: Path, interval: float, skip: int) -> dict:
+def run_side(side: Side, log: Path, interval: float, pss_interval: float, skip: int) -> dict:
     """Launch, sample and wait for one side; its numbers (raises with the log's tail if it fails)."""
     watcher = StepWatcher(side.metrics)
     with open(log, "w") as out:
         launch = time.time()
         proc = subprocess.Popen(side.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        sampler = TreeSampler(proc.pid, interval, on_tick=watcher.poll).start()
+        sampler = TreeSampler(proc.pid, interval, pss_interval, on_tick=watcher.poll).start()
         try:
             code = proc.wait()
         finally:
@@ -429,6 +439,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, help="run 1's seed, run r's seed + r - 1 (default: the trainer's seed)")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the steady state")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples of a process tree")
+    parser.add_argument("--pss-interval", type=float, default=5.0, help="seconds between readings of its PSS")
     parser.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="held for all the runs")
     parser.add_argument("--peer-child", type=Path, help=argparse.SUPPRESS)  # the TRL side itself (a spec file)
     args = parser.parse_args()
@@ -484,7 +495,9 @@ def main() -> None:
         results = {}
         for side in [peer, ours] if run % 2 == 0 else [ours, peer]:
             print(f"run {run + 1}/{args.runs}: {side.name}: {' '.join(side.command)}", flush=True)
-            results[side.name] = run_side(side, run_dir / f"{side.name}.log", args.interval, args.skip)
+            results[side.name] = run_side(
+                side, run_dir / f"{side.name}.log", args.interval, args.pss_interval, args.skip
+            )
             print(
                 f"  {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results[side.name].items()})}"
             )

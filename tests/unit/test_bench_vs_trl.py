@@ -3,6 +3,7 @@ sampler (on a real process tree). TRL is an optional group CI does not install: 
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,9 +20,11 @@ spec.loader.exec_module(bench)
 
 
 def synthetic_samples(cpu_rate: float, busy_rate: float, until: float = 30.0) -> list:
-    """A sample every second: the tree uses `cpu_rate` cores, the machine `busy_rate`; PSS peaks at 1 GiB at t=3."""
+    """A sample every second: the tree uses `cpu_rate` cores, the machine `busy_rate` besides the probe, which uses
+    0.02 cores; PSS peaks at 1 GiB at t=3."""
     return [
-        bench.Sample(float(t), cpu_rate * t, 2**20 if t == 3 else 2**19, busy_rate * t) for t in range(int(until) + 1)
+        bench.Sample(float(t), cpu_rate * t, 2**20 if t == 3 else 2**19, busy_rate * t, 0.02 * t)
+        for t in range(int(until) + 1)
     ]
 
 
@@ -34,6 +37,7 @@ def test_run_stats_steady_window_startup_and_cpu():
     assert stats["startup_s"] == pytest.approx(8.0)  # the end of step 1 less one steady step
     assert stats["cpu_pct"] == pytest.approx(150.0)
     assert stats["background_cpu_pct"] == pytest.approx(10.0)
+    assert stats["probe_cpu_pct"] == pytest.approx(2.0)
     assert stats["peak_pss_gib"] == pytest.approx(1.0)
 
 
@@ -56,13 +60,14 @@ def test_format_table_spread_mean_and_ratio():
         {"wall_s": 30.0, "startup_s": 10.0, "step_s": 1.0, "cpu_pct": 100.0, "peak_pss_gib": 1.0, "reward": 0.8},
         {"wall_s": 40.0, "startup_s": 10.0, "step_s": 1.0, "cpu_pct": 100.0, "peak_pss_gib": 1.0, "reward": 0.6},
     ]
-    ours = [{**r, "wall_s": 70.0, "background_cpu_pct": 3.0} for r in peer]
+    ours = [{**r, "wall_s": 70.0, "background_cpu_pct": 3.0, "probe_cpu_pct": 1.5} for r in peer]
     table = bench.format_table(peer, ours).splitlines()
     assert table[0] == "| | TRL min-max | TRL mean | ours min-max | ours mean | ours/TRL |"
     assert len(table) == 2 + len(bench.ROWS)
     assert table[2] == "| wall, command to exit (s) | 30.0-40.0 | 35.0 | 70.0 | 70.0 | 2.00 |"
     assert "| held-out reward (eval) | 0.600-0.800 | 0.700 | 0.600-0.800 | 0.700 | 1.00 |" in table
-    assert table[-1] == "| background CPU %, steady (should be ~0) | - | - | 3 | 3 | - |"  # the peer has none
+    assert table[-2] == "| background CPU %, steady (should be ~0) | - | - | 3 | 3 | - |"  # the peer has none
+    assert table[-1] == "| this script's CPU %, steady (the probe; should be ~0) | - | - | 1.5 | 1.5 | - |"
 
 
 def test_step_watcher_reads_complete_trainer_lines_once(tmp_path):
@@ -101,7 +106,7 @@ def test_sampler_sums_a_real_process_tree(tmp_path):
     parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
     proc = subprocess.Popen([sys.executable, "-c", parent])
     try:
-        sampler = bench.TreeSampler(proc.pid, interval=0.05, pss_every=1)
+        sampler = bench.TreeSampler(proc.pid, interval=0.05, pss_interval=0)
         deadline = time.time() + 60
         while not ready.exists():
             assert time.time() < deadline and proc.poll() is None
@@ -118,6 +123,15 @@ def test_sampler_sums_a_real_process_tree(tmp_path):
     sampler.start()
     sampler.stop()  # the tree is gone: sampling it still works and keeps what was counted
     assert sampler.samples[-1].cpu_s >= sample.cpu_s
+
+
+def test_sampler_reads_pss_at_most_every_pss_interval():
+    """Reading PSS walks the page tables (~100 ms of CPU for our tree): a sampler reads it once per `pss_interval`,
+    however often it samples the CPU."""
+    sampler = bench.TreeSampler(os.getpid(), interval=0.01, pss_interval=60.0)
+    first, second = sampler.sample(), sampler.sample()
+    assert first.pss_kib > 0 and second.pss_kib is None
+    assert second.cpu_s >= first.cpu_s > 0
 
 
 def test_imports_without_trl():
