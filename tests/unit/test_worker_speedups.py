@@ -177,3 +177,184 @@ def test_pooled_connections_are_dropped_before_the_server_would_drop_them(monkey
     asyncio.run(main())
     sampling, admin = ports[:3], ports[3:]
     assert sampling[0] == sampling[1] != sampling[2] and admin[0] == admin[1] != admin[2], ports
+
+
+def generate_reply(completion: list[int]) -> dict:
+    """A `/inference/v1/generate` reply of vLLM's shape for one choice."""
+    logprobs = [{"token_id": t, "logprob": -0.5, "token": f"token_id:{t}"} for t in completion]
+    choice = {"token_ids": completion, "finish_reason": "stop", "logprobs": {"content": logprobs}}
+    return {
+        "request_id": "r1",
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(completion)},
+        "choices": [choice],
+    }
+
+
+async def call_generate(port: int, **kwargs) -> dict:
+    """`renderers.client.generate` (as patched at the time) with verifiers' OpenAI client against a local server."""
+    import renderers.client as rc
+    from verifiers.v1.clients import base
+    from verifiers.v1.configs.client import BaseClientConfig
+
+    renderer = SimpleNamespace(
+        get_stop_token_ids=lambda: [9],
+        parse_response=lambda ids, prompt_ids, tools: SimpleNamespace(
+            content=str(ids), reasoning_content=None, tool_calls=[], reasoning_complete=True
+        ),
+    )
+    client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
+    try:
+        return await rc.generate(
+            client=client,
+            renderer=renderer,
+            messages=[{"role": "user", "content": "hi"}],
+            model="m",
+            prompt_ids=[1, 2, 3],
+            sampling_params={"temperature": 1.0, "max_tokens": 4},
+            max_prompt_len=100,
+            **kwargs,
+        )
+    finally:
+        await client.close()
+
+
+def test_generate_posts_on_aiohttp_the_request_the_sdk_would_send(monkeypatch):
+    """With `post_generate_on_aiohttp`, a model call reaches the server with the SDK's URL, body, auth and session
+    header, and `generate` returns the same result, without going through the SDK's `post`."""
+    import openai
+    import renderers.client as rc
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(rc, "generate", rc.generate)  # undone after the test
+    monkeypatch.setenv("K", "secret")
+    seen = []
+
+    async def handler(request: web.Request) -> web.Response:
+        headers = {k: request.headers.get(k) for k in ("Authorization", "X-Session-ID", "Content-Type")}
+        seen.append({"path": request.path, "headers": headers, "body": await request.json()})
+        return web.json_response(generate_reply([5, 6, 9]))
+
+    async def main():
+        runner, port = await serve("/inference/v1/generate", handler)
+        try:
+            through_sdk = await call_generate(port, extra_headers={"X-Session-ID": "trace-1"})
+            patches.post_generate_on_aiohttp()
+            patches.post_generate_on_aiohttp()  # idempotent
+            monkeypatch.setattr(openai.AsyncOpenAI, "post", None)  # the patched path must not need it
+            direct = await call_generate(port, extra_headers={"X-Session-ID": "trace-1"})
+            assert len(patches._generate_sessions) == 1
+            await patches.close_pooled_clients()
+            assert not patches._generate_sessions
+            return through_sdk, direct
+        finally:
+            await runner.cleanup()
+
+    through_sdk, direct = asyncio.run(main())
+    assert direct == through_sdk
+    assert direct["completion_ids"] == [5, 6, 9] and direct["completion_logprobs"] == [-0.5] * 3
+    assert seen[0] == seen[1]
+    assert seen[1] == {
+        "path": "/inference/v1/generate",
+        "headers": {"Authorization": "Bearer secret", "X-Session-ID": "trace-1", "Content-Type": "application/json"},
+        "body": {
+            "model": "m",
+            "token_ids": [1, 2, 3],
+            "sampling_params": {"temperature": 1.0, "max_tokens": 4, "stop_token_ids": [9], "logprobs": 1,
+                                "skip_special_tokens": False},
+        },
+    }  # fmt: skip
+
+
+def test_direct_generate_posts_fail_with_the_sdks_errors(monkeypatch):
+    """A 4xx or 5xx reply, a refused connection and a read timeout raise the exception the SDK raises for each (the
+    same class, status and message), which is what verifiers maps to the status its harness sees."""
+    import httpx
+    from verifiers.v1.clients import base
+    from verifiers.v1.configs.client import BaseClientConfig
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setenv("K", "secret")
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["what"] == "slow":
+            await asyncio.sleep(2)
+        status = {"bad": 400, "gone": 404, "broken": 500, "slow": 200}[body["what"]]
+        return web.json_response({"error": {"message": f"{body['what']} request", "type": "x"}}, status=status)
+
+    async def outcome(post) -> tuple:
+        try:
+            reply = await post()
+        except Exception as e:  # the SDK's exception, compared below
+            return type(e), getattr(e, "status_code", None), str(e)
+        return "ok", reply.status_code
+
+    async def main():
+        runner, port = await serve("/x", handler)
+        free = web.TCPSite(runner, "127.0.0.1", 0)  # a port nobody listens on once this site is gone
+        await free.start()
+        dead = free._server.sockets[0].getsockname()[1]
+        await free.stop()
+        results = []
+        try:
+            for url, what in [(port, "bad"), (port, "gone"), (port, "broken"), (dead, "bad"), (port, "slow")]:
+                config = BaseClientConfig(base_url=f"http://127.0.0.1:{url}/v1", api_key_var="K")
+                config.timeout.read = 0.3
+                client = base.build_async_openai(config)
+                direct = patches.DirectGeneratePost(client)
+                pair = []
+                for poster in (client, direct):
+                    post = functools.partial(poster.post, f"http://127.0.0.1:{url}/x", cast_to=httpx.Response)
+                    pair.append(await outcome(functools.partial(post, body={"what": what})))
+                results.append(pair)
+                await client.close()
+            await patches.close_pooled_clients()
+        finally:
+            await runner.cleanup()
+        return results
+
+    import openai
+
+    results = asyncio.run(main())
+    for through_sdk, direct in results:
+        assert direct == through_sdk
+    classes = [sdk[0] for sdk, _ in results]
+    assert classes == [
+        openai.BadRequestError,
+        openai.NotFoundError,
+        openai.InternalServerError,
+        openai.APIConnectionError,
+        openai.APITimeoutError,
+    ]
+    assert results[0][0][1:] == (400, "Error code: 400 - {'error': {'message': 'bad request', 'type': 'x'}}")
+
+
+def test_an_sdk_without_the_attributes_the_direct_post_reads_keeps_its_own_path(monkeypatch, caplog):
+    """`DirectGeneratePost` reads private OpenAI client attributes; an SDK that renamed one must still serve model
+    calls (through its own `post`), with a warning that says why."""
+    import openai
+    import renderers.client as rc
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(rc, "generate", rc.generate)  # undone after the test
+    monkeypatch.setenv("K", "secret")
+    monkeypatch.delattr(openai._base_client.BaseClient, "_make_status_error_from_response")
+    patches.post_generate_on_aiohttp()
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(generate_reply([7, 9]))
+
+    async def main():
+        runner, port = await serve("/inference/v1/generate", handler)
+        try:
+            return await call_generate(port)
+        finally:
+            await patches.close_pooled_clients()
+            await runner.cleanup()
+
+    assert asyncio.run(main())["completion_ids"] == [7, 9]
+    assert "model calls go through the SDK" in caplog.text and "_make_status_error_from_response" in caplog.text
+    assert not patches._generate_sessions

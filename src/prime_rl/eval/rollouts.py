@@ -32,6 +32,7 @@ from prime_rl.orchestrator.patches import (
     close_pooled_clients,
     load_tokenizers_lightly,
     pool_http_clients_on_aiohttp,
+    post_generate_on_aiohttp,
 )
 from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
@@ -81,6 +82,7 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
         logging.getLogger(name).setLevel(logging.WARNING)
     cache_default_factory_signatures()
     pool_http_clients_on_aiohttp()
+    post_generate_on_aiohttp()
     load_tokenizers_lightly()
     worker = Worker(config, 0, keep_messages, chat_api=config.api == "chat")
     async with contextlib.AsyncExitStack() as stack:

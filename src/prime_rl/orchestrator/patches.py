@@ -1,7 +1,7 @@
 """What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions
 (and the policy gate in front of each model call), a cache for a pydantic check verifiers repeats on every model
-turn, aiohttp's connection pool under the client that calls the server, and tokenizers loaded without transformers'
-modeling imports.
+turn, aiohttp's connection pool under the client that calls the server, model calls posted on aiohttp without the
+OpenAI SDK's request machinery, and tokenizers loaded without transformers' modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
 drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import json
 import logging
 import weakref
 
@@ -32,6 +33,7 @@ from prime_rl.utils import net
 
 _captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
 _pooled_clients: weakref.WeakSet = weakref.WeakSet()
+_generate_sessions: dict = {}  # event loop -> aiohttp.ClientSession (post_generate_on_aiohttp)
 _response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
 
 GATE_KEY = "prime_rl_policy_gate"
@@ -191,10 +193,117 @@ def pool_http_clients_on_aiohttp() -> None:
 
 
 async def close_pooled_clients() -> None:
-    """Close the clients `pool_http_clients_on_aiohttp` made (call before the event loop ends)."""
+    """Close the clients `pool_http_clients_on_aiohttp` made and the running loop's `post_generate_on_aiohttp` pool
+    (call before the event loop ends)."""
     for client in list(_pooled_clients):
         await client.aclose()
     _pooled_clients.clear()
+    session = _generate_sessions.pop(asyncio.get_running_loop(), None)
+    if session is not None:
+        await session.close()
+
+
+def _generate_session():
+    """The running loop's aiohttp pool for model calls: no cap on connections (one per rollout in flight, as with
+    verifiers' own limits), idle ones dropped after `net.KEEPALIVE_EXPIRY` s, before the server would drop them."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    session = _generate_sessions.get(loop)
+    if session is None or session.closed:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=net.KEEPALIVE_EXPIRY)
+        session = _generate_sessions[loop] = aiohttp.ClientSession(connector=connector)
+    return session
+
+
+class DirectGeneratePost:
+    """An OpenAI client as `renderers.client.generate` uses it, whose `post` of a raw reply sends the request on
+    aiohttp itself: the same URL, JSON body, auth and extra headers, and the same errors (an `APIStatusError` made
+    by the client's own mapping, `APIConnectionError`, `APITimeoutError`), without the SDK's request machinery.
+    Every other attribute is the client's."""
+
+    def __init__(self, client) -> None:
+        """Raises AttributeError for an SDK without the (partly private) client attributes this reads."""
+        import aiohttp
+
+        self.client = client
+        self.prepare_url, self.status_error = client._prepare_url, client._make_status_error_from_response
+        timeout = client.timeout  # verifiers' config, which the SDK takes from its http client
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
+        )
+        custom = {key: value for key, value in client._custom_headers.items() if isinstance(value, str)}
+        self.headers = {"Accept": "application/json", "Content-Type": "application/json"}
+        self.headers |= client.auth_headers | custom
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    async def post(self, path: str, *, cast_to, body, options=None):
+        import aiohttp
+        import httpx
+        import openai
+
+        if cast_to is not httpx.Response or set(options or {}) - {"headers"}:
+            return await self.client.post(path, cast_to=cast_to, body=body, options=options or {})
+        url = str(self.prepare_url(path))
+        headers = self.headers | ((options or {}).get("headers") or {})
+        request = httpx.Request("POST", url)  # for the errors, which name it
+        try:
+            async with _generate_session().post(
+                url, data=json.dumps(body), headers=headers, timeout=self.timeout
+            ) as response:
+                content = await response.read()
+        except TimeoutError as e:
+            raise openai.APITimeoutError(request=request) from e
+        except aiohttp.ClientError as e:
+            raise openai.APIConnectionError(request=request) from e
+        reply = httpx.Response(response.status, headers=response.headers.items(), content=content, request=request)
+        if reply.is_error:
+            raise self.status_error(reply)
+        return reply
+
+
+def direct_post_or_false(client) -> DirectGeneratePost | bool:
+    try:
+        return DirectGeneratePost(client)
+    except AttributeError as e:
+        logging.getLogger(__name__).warning("openai %s: model calls go through the SDK (%s)", _openai_version(), e)
+        return False
+
+
+def _openai_version() -> str:
+    import openai
+
+    return openai.__version__
+
+
+def post_generate_on_aiohttp() -> None:
+    """Have `renderers.client.generate` (verifiers' train client calls it per model turn) post to the inference
+    server through `DirectGeneratePost`. The OpenAI SDK's path for that one POST (request options as pydantic models,
+    URL parsing, an httpx request translated to aiohttp and the reply back) cost 1.0-1.2 ms of CPU per model turn,
+    aiohttp alone 0.4-0.6 ms (`benchmarks/bench_generate_post.py`), of the ~10 ms a rollout worker spends per
+    single-turn rollout. An SDK without the attributes `DirectGeneratePost` reads keeps its own path (a warning)."""
+    import renderers.client as rc
+
+    if getattr(rc.generate, "_prime_rl_direct", False):
+        return
+    generate = rc.generate
+
+    @functools.wraps(generate)
+    async def generate_posting_directly(*args, **kwargs):
+        client = kwargs.get("client")
+        if client is not None and not isinstance(client, DirectGeneratePost):
+            if getattr(client, "_provider_runtime", None) is None:  # a plain API key: nothing the SDK must sign
+                direct = getattr(client, "_prime_rl_direct_post", None)
+                if direct is None:  # one per client (verifiers' interception server owns it, for many rollouts)
+                    direct = client._prime_rl_direct_post = direct_post_or_false(client)
+                if direct:
+                    kwargs["client"] = direct
+        return await generate(*args, **kwargs)
+
+    generate_posting_directly._prime_rl_direct = True
+    rc.generate = generate_posting_directly
 
 
 def load_tokenizers_lightly() -> None:

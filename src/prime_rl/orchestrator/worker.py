@@ -45,6 +45,7 @@ from prime_rl.orchestrator.patches import (
     install_version_capture,
     load_tokenizers_lightly,
     pool_http_clients_on_aiohttp,
+    post_generate_on_aiohttp,
 )
 from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.loop_lag import LoopLagMonitor
@@ -192,6 +193,7 @@ def install_worker_patches(level: str) -> None:
     install_version_capture()
     cache_default_factory_signatures()
     pool_http_clients_on_aiohttp()
+    post_generate_on_aiohttp()
     load_tokenizers_lightly()
 
 
