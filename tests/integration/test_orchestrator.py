@@ -109,6 +109,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
     """Single- and multi-turn rollouts through the real worker code: every sampled span of every sample is
     exactly a vLLM response (ids and logprobs, bit for bit) at exactly the position of its prompt, and the
     logprobs match a transformers forward pass."""
+    from prime_chat import close_shared_client
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
     from prime_rl.orchestrator.messages import RunGroup
@@ -136,6 +137,7 @@ def test_worker_samples_are_token_exact(tied_server, verifiers_loop, monkeypatch
             async with env.serving():
                 request = RunGroup(id=0, env=name, task=tasks[name][0], n=3, base_url=f"{srv.url}/v1")
                 results[name] = (await worker.run_group(request)).rollouts
+        await close_shared_client()  # prime-chat's pool on this loop (the worker's `serving` closes it in a run)
         return results
 
     results = verifiers_loop.run_until_complete(run())
@@ -368,6 +370,7 @@ def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
 def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, verifiers_loop, monkeypatch):
     """What the scheduler retries on another server: generation whose connection fails (the server died; here the
     port is closed, no server needed) is a retryable error, from the real worker and verifiers client."""
+    from prime_chat import close_shared_client
     from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.orchestrator.envs import load_tasks
@@ -390,7 +393,10 @@ def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, v
 
     async def run():
         async with worker.envs["reverse-text"].serving():
-            return (await worker.run_group(RunGroup(id=0, env="reverse-text", task=task, n=2, base_url=url))).rollouts
+            request = RunGroup(id=0, env="reverse-text", task=task, n=2, base_url=url)
+            rollouts = (await worker.run_group(request)).rollouts
+        await close_shared_client()
+        return rollouts
 
     rollouts = verifiers_loop.run_until_complete(run())
     assert len(rollouts) == 2
