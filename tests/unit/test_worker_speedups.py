@@ -280,7 +280,7 @@ def test_direct_generate_posts_fail_with_the_sdks_errors(monkeypatch):
     async def handler(request: web.Request) -> web.Response:
         body = await request.json()
         if body["what"] == "slow":
-            await asyncio.sleep(2)
+            await asyncio.sleep(1)  # past the client's 0.3 s read timeout
         status = {"bad": 400, "gone": 404, "broken": 500, "slow": 200}[body["what"]]
         return web.json_response({"error": {"message": f"{body['what']} request", "type": "x"}}, status=status)
 
