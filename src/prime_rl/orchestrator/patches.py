@@ -135,7 +135,7 @@ def cache_default_factory_signatures() -> None:
     if original is None:  # a pydantic outside the range pyproject pins: run without the speed-up
         logging.getLogger(__name__).warning(
             "pydantic %s has no _fields.takes_validated_data_argument: rollout workers run without its cache",
-            _pydantic_version(),
+            _version("pydantic"),
         )
         return
     if getattr(original, "_prime_rl", False):
@@ -152,10 +152,11 @@ def cache_default_factory_signatures() -> None:
     _fields.takes_validated_data_argument = takes_validated_data_argument
 
 
-def _pydantic_version() -> str:
-    import pydantic
+def _version(distribution: str) -> str:
+    """An installed package's version, for the warnings of patches that cannot apply to it."""
+    from importlib.metadata import version
 
-    return pydantic.VERSION
+    return version(distribution)
 
 
 def pool_http_clients_on_aiohttp() -> None:
@@ -270,14 +271,8 @@ def direct_post_or_false(client) -> DirectGeneratePost | bool:
     try:
         return DirectGeneratePost(client)
     except AttributeError as e:
-        logging.getLogger(__name__).warning("openai %s: model calls go through the SDK (%s)", _openai_version(), e)
+        logging.getLogger(__name__).warning("openai %s: model calls go through the SDK (%s)", _version("openai"), e)
         return False
-
-
-def _openai_version() -> str:
-    import openai
-
-    return openai.__version__
 
 
 def post_generate_on_aiohttp() -> None:
