@@ -18,7 +18,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 
@@ -47,12 +46,6 @@ def serve(port: int) -> None:
     app = web.Application()
     app.router.add_post("/inference/v1/generate", generate)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_listening(port: int, timeout: float = 30.0) -> None:
@@ -116,6 +109,8 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=64, help="requests in flight at once")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    from prime_rl.utils.net import free_port
+
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(target=serve, args=(port,), daemon=True)
     server.start()
