@@ -274,6 +274,7 @@ def test_direct_generate_posts_fail_with_the_sdks_errors(monkeypatch):
     from verifiers.v1.configs.client import BaseClientConfig
 
     from prime_rl.orchestrator import patches
+    from prime_rl.utils.net import free_port
 
     monkeypatch.setenv("K", "secret")
 
@@ -293,10 +294,7 @@ def test_direct_generate_posts_fail_with_the_sdks_errors(monkeypatch):
 
     async def main():
         runner, port = await serve("/x", handler)
-        free = web.TCPSite(runner, "127.0.0.1", 0)  # a port nobody listens on once this site is gone
-        await free.start()
-        dead = free._server.sockets[0].getsockname()[1]
-        await free.stop()
+        dead = free_port()  # nobody listens there
         results = []
         try:
             for url, what in [(port, "bad"), (port, "gone"), (port, "broken"), (dead, "bad"), (port, "slow")]:
