@@ -81,26 +81,40 @@ def bench(block: int, args, out: Path, vocab: int) -> dict[str, float]:
         server.stop()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_shape(p: argparse.ArgumentParser) -> None:
+    """The model and a GRPO step's shape: groups of samples of one prompt (default: the demo's)."""
     p.add_argument("--model", type=Path, help="a HF model dir (default: a random-init model of the demo's shape)")
-    p.add_argument("--dtype", default="float32", help="the served dtype (the demo's and bench's samplers: float32)")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[128, 32], help="KV block sizes, in tokens")
     p.add_argument("--groups", type=int, default=8, help="prompts per round")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-tokens", type=int, default=108)
     p.add_argument("--max-tokens", type=int, default=16)
+
+
+def model_and_vocab(args, out: Path) -> int:
+    """Builds the demo-shaped model into `out` where `--model` names none (sets `args.model`); its vocab size."""
+    if args.model is None:
+        demo = tomllib.loads(DEMO_MODEL.read_text())
+        args.model = build_tiny_model(TinyModelConfig(**{**demo, "output": out / "model"}))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model).vocab_size
+
+
+def step_shape(args) -> str:
+    return f"{args.groups} prompts of {args.prompt_tokens} tokens x {args.samples} samples of {args.max_tokens}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_shape(p)
+    p.add_argument("--dtype", default="float32", help="the served dtype (the demo's and bench's samplers: float32)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[128, 32], help="KV block sizes, in tokens")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds, after one warm-up")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-blocks-") as tmp:
         out = Path(tmp)
-        if args.model is None:
-            demo = tomllib.loads(DEMO_MODEL.read_text())
-            args.model = build_tiny_model(TinyModelConfig(**{**demo, "output": out / "model"}))
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(args.model).vocab_size
-        shape = f"{args.groups} prompts of {args.prompt_tokens} tokens x {args.samples} samples of {args.max_tokens}"
+        vocab = model_and_vocab(args, out)
+        shape = step_shape(args)
         print(f"{args.model}, {args.dtype}; {shape}; median of {args.rounds} rounds after 1")
         print("| KV block | s/round | server CPU s/round | prompt tokens computed | from the prefix cache |")
         print("|---|---|---|---|---|")

@@ -6,6 +6,7 @@ import functools
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from aiohttp import web
 from pydantic._internal import _fields
 
@@ -204,16 +205,11 @@ async def call_generate(port: int, **kwargs) -> dict:
     )
     client = base.build_async_openai(BaseClientConfig(base_url=f"http://127.0.0.1:{port}/v1", api_key_var="K"))
     try:
+        call = {"prompt_ids": [1, 2, 3], "sampling_params": {"temperature": 1.0, "max_tokens": 4}, **kwargs}
         return await rc.generate(
-            client=client,
-            renderer=renderer,
-            messages=[{"role": "user", "content": "hi"}],
-            model="m",
-            prompt_ids=[1, 2, 3],
-            sampling_params={"temperature": 1.0, "max_tokens": 4},
-            max_prompt_len=100,
-            **kwargs,
-        )
+            client=client, renderer=renderer, messages=[{"role": "user", "content": "hi"}], model="m",
+            max_prompt_len=100, **call
+        )  # fmt: skip
     finally:
         await client.close()
 
@@ -356,3 +352,184 @@ def test_an_sdk_without_the_attributes_the_direct_post_reads_keeps_its_own_path(
     assert asyncio.run(main())["completion_ids"] == [7, 9]
     assert "model calls go through the SDK" in caplog.text and "_make_status_error_from_response" in caplog.text
     assert not patches._generate_sessions
+
+
+def test_a_merged_reply_splits_into_the_replies_of_single_requests():
+    """Choice i alone (index 0), usage counting its own completion over the shared prompt, an id of its own."""
+    from prime_rl.orchestrator.coalesce import split_reply
+
+    merged = {
+        "request_id": "r",
+        "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11},
+        "choices": [{"index": 1, "token_ids": [7, 8, 9, 9]}, {"index": 0, "token_ids": [4, 2]}],
+    }
+    assert split_reply(merged, 2) == [
+        {"request_id": "r-0", "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+         "choices": [{"index": 0, "token_ids": [4, 2]}]},
+        {"request_id": "r-1", "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+         "choices": [{"index": 0, "token_ids": [7, 8, 9, 9]}]},
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="asked for 3 samples, the reply has 2"):
+        split_reply(merged, 3)
+
+
+def test_only_calls_the_server_could_not_tell_apart_merge():
+    """Same URL, body, timeout and headers but the trace's session id merge; a seed, an n of its own or streaming
+    never do (n requests with one seed sample the same tokens, one request for n would not)."""
+    from prime_rl.orchestrator.coalesce import for_n, merge_key
+
+    body = {"model": "m", "token_ids": [1, 2], "sampling_params": {"temperature": 1.0}}
+    auth = {"Authorization": "Bearer k"}
+    key = merge_key("u", body, {**auth, "X-Session-ID": "a"}, 5)
+    assert key == merge_key("u", dict(reversed(body.items())), {**auth, "X-Session-ID": "b"}, 5)
+    assert key != merge_key("u", body, {"Authorization": "Bearer other"}, 5)
+    assert key != merge_key("v", body, auth, 5) and key != merge_key("u", body, auth, 6)
+    assert key != merge_key("u", {**body, "token_ids": [1, 3]}, auth, 5)
+    for alone in ({"seed": 3}, {"n": 2}):
+        assert merge_key("u", {**body, "sampling_params": {"temperature": 1.0, **alone}}, auth, 5) is None
+    assert merge_key("u", {**body, "stream": True}, auth, 5) is None
+    assert merge_key("u", {"what": "no sampling"}, auth, 5) is None
+    assert for_n(body, 1) is body
+    assert for_n(body, 4)["sampling_params"] == {"temperature": 1.0, "n": 4} and "n" not in body["sampling_params"]
+
+
+def n_choice_reply(body: dict) -> dict:
+    """A generate reply with the `n` choices asked for: choice i samples [10 + i, 20 + i, 9] under policy step i."""
+    n = body["sampling_params"].get("n", 1)
+    choices = [
+        {"index": i, "token_ids": [10 + i, 20 + i, 9], "finish_reason": "stop",
+         "logprobs": {"content": [{"token_id": t, "logprob": -0.1 * (i + 1), "token": f"token_id:{t}"}
+                                  for t in (10 + i, 20 + i, 9)]},
+         "weight_versions": [{"version": f"step_{i}", "start": 0, "end": 3}]}
+        for i in range(n)
+    ]  # fmt: skip
+    return {"request_id": "r", "usage": {"prompt_tokens": 3, "completion_tokens": 3 * n}, "choices": choices}
+
+
+def test_identical_model_calls_in_flight_together_share_one_request_for_n_samples(monkeypatch):
+    """Eight rollouts' calls with one prompt, two with another and one with a seed, all at once: the server gets three
+    requests (n = 8, n = 2, and the seeded one as sent), and each rollout gets one choice of its own, its logprobs and
+    its tokens' policy versions (captured under its own session)."""
+    import renderers.client as rc
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(rc, "generate", rc.generate)
+    monkeypatch.setattr(rc, "parse_generate_response", rc.parse_generate_response)
+    monkeypatch.setenv("K", "secret")
+    seen = []
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((body["token_ids"], body["sampling_params"]))
+        return web.json_response({**n_choice_reply(body), "request_id": f"r{len(seen)}"})
+
+    async def main():
+        runner, port = await serve("/inference/v1/generate", handler)
+        try:
+            patches.install_version_capture()
+            patches.post_generate_on_aiohttp()
+            calls = [call_generate(port, extra_headers={"X-Session-ID": f"a{i}"}) for i in range(8)]
+            calls += [call_generate(port, prompt_ids=[4], extra_headers={"X-Session-ID": f"b{i}"}) for i in range(2)]
+            seeded = {"temperature": 1.0, "max_tokens": 4, "seed": 1}
+            calls.append(call_generate(port, sampling_params=seeded, extra_headers={"X-Session-ID": "c"}))
+            results = await asyncio.gather(*calls)
+            await patches.close_pooled_clients()
+            return results
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(main())
+    sent = sorted((ids, sp.get("n", 1), sp.get("seed", 0)) for ids, sp in seen)
+    assert sent == [([1, 2, 3], 1, 1), ([1, 2, 3], 8, 0), ([4], 2, 0)]
+    a, b, c = results[:8], results[8:10], results[10]
+    assert sorted(r["completion_ids"] for r in a) == [[10 + i, 20 + i, 9] for i in range(8)]
+    assert sorted(r["completion_ids"] for r in b) == [[10, 20, 9], [11, 21, 9]] and c["completion_ids"] == [10, 20, 9]
+    for r in results:
+        i = r["completion_ids"][0] - 10
+        assert r["completion_logprobs"] == pytest.approx([-0.1 * (i + 1)] * 3)
+    assert len({r["request_id"] for r in a + b}) == 10
+    for prefix, group in (("a", a), ("b", b)):
+        for k, r in enumerate(group):
+            versions = patches.take_versions(f"{prefix}{k}")
+            assert versions == {tuple(r["completion_ids"]): [r["completion_ids"][0] - 10] * 3}
+
+
+def test_merged_calls_fail_each_with_the_error_its_own_request_would_have_got(monkeypatch):
+    """A 5xx for the merged request raises the SDK's error in every call, with the server's message; a reply with
+    the wrong number of choices fails every call rather than hand out samples that are not theirs."""
+    import openai
+    import renderers.client as rc
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(rc, "generate", rc.generate)
+    monkeypatch.setenv("K", "secret")
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["token_ids"] == [1, 2, 3]:
+            return web.json_response({"error": {"message": "engine died", "type": "x"}}, status=500)
+        return web.json_response(generate_reply([5, 9]))  # one choice, whatever n was asked for
+
+    async def outcome(call) -> tuple:
+        try:
+            await call
+        except Exception as e:
+            return type(e), str(e)
+        return ("ok",)
+
+    async def main():
+        runner, port = await serve("/inference/v1/generate", handler)
+        try:
+            patches.post_generate_on_aiohttp()
+            calls = [call_generate(port, extra_headers={"X-Session-ID": f"a{i}"}) for i in range(3)]
+            calls += [call_generate(port, prompt_ids=[4], extra_headers={"X-Session-ID": f"b{i}"}) for i in range(2)]
+            results = await asyncio.gather(*map(outcome, calls))
+            await patches.close_pooled_clients()
+            return results
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(main())
+    failed = (openai.InternalServerError, "Error code: 500 - {'error': {'message': 'engine died', 'type': 'x'}}")
+    assert results[:3] == [failed] * 3
+    assert results[3:] == [(ValueError, "asked for 2 samples, the reply has 1")] * 2
+
+
+def test_a_cancelled_call_leaves_its_merged_request_to_the_others_and_close_ends_requests_in_flight(monkeypatch):
+    """One of three merged calls cancelled mid-flight: the other two still get their own samples. Closing the pools
+    while a merged request is in flight cancels its calls instead of leaving them waiting."""
+    import renderers.client as rc
+
+    from prime_rl.orchestrator import patches
+
+    monkeypatch.setattr(rc, "generate", rc.generate)
+    monkeypatch.setenv("K", "secret")
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(0.3 if body["token_ids"] == [1, 2, 3] else 2)  # the second, past close
+        return web.json_response(n_choice_reply(body))
+
+    async def main():
+        runner, port = await serve("/inference/v1/generate", handler)
+        try:
+            patches.post_generate_on_aiohttp()
+            calls = [asyncio.ensure_future(call_generate(port)) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            calls[1].cancel()
+            done = await asyncio.gather(*calls, return_exceptions=True)
+            stuck = [asyncio.ensure_future(call_generate(port, prompt_ids=[4])) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            await asyncio.wait_for(patches.close_pooled_clients(), 5)
+            ended = await asyncio.wait_for(asyncio.gather(*stuck, return_exceptions=True), 5)
+            return done, ended
+        finally:
+            await runner.cleanup()
+
+    done, ended = asyncio.run(main())
+    assert isinstance(done[1], asyncio.CancelledError)
+    own = [done[0]["completion_ids"], done[2]["completion_ids"]]
+    assert own[0] != own[1] and all(c in [[10 + i, 20 + i, 9] for i in range(3)] for c in own)
+    assert [type(e) for e in ended] == [asyncio.CancelledError] * 2

@@ -24,16 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import logging
 import weakref
 
+from prime_rl.orchestrator import coalesce
 from prime_rl.orchestrator.samples import expand_version_spans
 from prime_rl.utils import net
 
 _captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
 _pooled_clients: weakref.WeakSet = weakref.WeakSet()
 _generate_sessions: dict = {}  # event loop -> aiohttp.ClientSession (post_generate_on_aiohttp)
+_coalescers: dict = {}  # event loop -> coalesce.Coalescer (post_generate_on_aiohttp)
 _response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
 
 GATE_KEY = "prime_rl_policy_gate"
@@ -195,11 +196,14 @@ def pool_http_clients_on_aiohttp() -> None:
 
 async def close_pooled_clients() -> None:
     """Close the clients `pool_http_clients_on_aiohttp` made and the running loop's `post_generate_on_aiohttp` pool
-    (call before the event loop ends)."""
+    and merged requests (call before the event loop ends)."""
     for client in list(_pooled_clients):
         await client.aclose()
     _pooled_clients.clear()
-    session = _generate_sessions.pop(asyncio.get_running_loop(), None)
+    loop = asyncio.get_running_loop()
+    if (merger := _coalescers.pop(loop, None)) is not None:
+        await merger.close()
+    session = _generate_sessions.pop(loop, None)
     if session is not None:
         await session.close()
 
@@ -217,11 +221,25 @@ def _generate_session():
     return session
 
 
+async def _post_on_aiohttp(url: str, data: str, headers: dict[str, str], timeout) -> coalesce.Reply:
+    async with _generate_session().post(url, data=data, headers=headers, timeout=timeout) as response:
+        return response.status, response.headers, await response.read()
+
+
+def _coalescer() -> coalesce.Coalescer:
+    """The running loop's merger of identical model calls (`coalesce`)."""
+    loop = asyncio.get_running_loop()
+    if (merger := _coalescers.get(loop)) is None:
+        merger = _coalescers[loop] = coalesce.Coalescer(_post_on_aiohttp)
+    return merger
+
+
 class DirectGeneratePost:
     """An OpenAI client as `renderers.client.generate` uses it, whose `post` of a raw reply sends the request on
     aiohttp itself: the same URL, JSON body, auth and extra headers, and the same errors (an `APIStatusError` made
     by the client's own mapping, `APIConnectionError`, `APITimeoutError`), without the SDK's request machinery.
-    Every other attribute is the client's."""
+    Identical calls in flight together share one request for n samples (`coalesce`). Every other attribute is the
+    client's."""
 
     def __init__(self, client) -> None:
         """Raises AttributeError for an SDK without the (partly private) client attributes this reads."""
@@ -250,21 +268,18 @@ class DirectGeneratePost:
         url = str(self.prepare_url(path))
         headers = self.headers | ((options or {}).get("headers") or {})
         try:
-            async with _generate_session().post(
-                url, data=json.dumps(body), headers=headers, timeout=self.timeout
-            ) as response:
-                content = await response.read()
+            status, reply_headers, content = await _coalescer().post(url, body, headers, self.timeout)
         except TimeoutError as e:
             raise openai.APITimeoutError(request=httpx.Request("POST", url)) from e
         except aiohttp.ClientError as e:
             raise openai.APIConnectionError(request=httpx.Request("POST", url)) from e
-        if response.status >= 400:  # the whole reply, as the SDK's error mapping reads it (headers, request)
+        if status >= 400:  # the whole reply, as the SDK's error mapping reads it (headers, request)
             request = httpx.Request("POST", url)
             raise self.status_error(
-                httpx.Response(response.status, headers=response.headers.items(), content=content, request=request)
+                httpx.Response(status, headers=reply_headers.items(), content=content, request=request)
             )
         # Status and body only: all `generate` reads is `.content`, and the headers and request cost ~70 us a call.
-        return httpx.Response(response.status, content=content)
+        return httpx.Response(status, content=content)
 
 
 def direct_post_or_false(client) -> DirectGeneratePost | bool:
