@@ -497,18 +497,21 @@ def test_merged_calls_fail_each_with_the_error_its_own_request_would_have_got(mo
     assert results[3:] == [(ValueError, "asked for 2 samples, the reply has 1")] * 2
 
 
-def test_a_cancelled_call_leaves_its_merged_request_to_the_others_and_close_ends_requests_in_flight(monkeypatch):
-    """One of three merged calls cancelled mid-flight: the other two still get their own samples. Closing the pools
-    while a merged request is in flight cancels its calls instead of leaving them waiting."""
+def test_cancelled_calls_leave_their_merged_request_to_the_others_and_close_ends_requests_in_flight(monkeypatch):
+    """Of four merged calls one is cancelled before its request goes (it asks for nothing: n = 3) and one while it is
+    in flight (its sample is dropped): the other two still get samples of their own. Closing the pools while a merged
+    request is in flight cancels its calls instead of leaving them waiting."""
     import renderers.client as rc
 
     from prime_rl.orchestrator import patches
 
     monkeypatch.setattr(rc, "generate", rc.generate)
     monkeypatch.setenv("K", "secret")
+    asked = []
 
     async def handler(request: web.Request) -> web.Response:
         body = await request.json()
+        asked.append(body["sampling_params"].get("n", 1))
         await asyncio.sleep(0.3 if body["token_ids"] == [1, 2, 3] else 2)  # the second, past close
         return web.json_response(n_choice_reply(body))
 
@@ -516,9 +519,11 @@ def test_a_cancelled_call_leaves_its_merged_request_to_the_others_and_close_ends
         runner, port = await serve("/inference/v1/generate", handler)
         try:
             patches.post_generate_on_aiohttp()
-            calls = [asyncio.ensure_future(call_generate(port)) for _ in range(3)]
+            calls = [asyncio.ensure_future(call_generate(port)) for _ in range(4)]
+            await asyncio.sleep(0)  # each call is now waiting for its merged request, which has not gone yet
+            calls[0].cancel()
             await asyncio.sleep(0.1)
-            calls[1].cancel()
+            calls[2].cancel()
             done = await asyncio.gather(*calls, return_exceptions=True)
             stuck = [asyncio.ensure_future(call_generate(port, prompt_ids=[4])) for _ in range(2)]
             await asyncio.sleep(0.1)
@@ -529,7 +534,8 @@ def test_a_cancelled_call_leaves_its_merged_request_to_the_others_and_close_ends
             await runner.cleanup()
 
     done, ended = asyncio.run(main())
-    assert isinstance(done[1], asyncio.CancelledError)
-    own = [done[0]["completion_ids"], done[2]["completion_ids"]]
+    assert asked == [3, 2]
+    assert [type(d) for d in done[::2]] == [asyncio.CancelledError] * 2
+    own = [done[1]["completion_ids"], done[3]["completion_ids"]]
     assert own[0] != own[1] and all(c in [[10 + i, 20 + i, 9] for i in range(3)] for c in own)
     assert [type(e) for e in ended] == [asyncio.CancelledError] * 2

@@ -103,7 +103,10 @@ class Coalescer:
         task.add_done_callback(self.sending.discard)
 
     async def _send_batch(self, batch: _Batch) -> None:
-        n = len(batch.waiters)
+        waiters = [waiter for waiter in batch.waiters if not waiter.done()]  # callers cancelled by now ask for nothing
+        n = len(waiters)
+        if n == 0:
+            return
         try:
             status, headers, content = await self.send(
                 batch.url, json.dumps(for_n(batch.body, n)), batch.headers, batch.timeout
@@ -113,12 +116,16 @@ class Coalescer:
             else:
                 replies = [(status, headers, json.dumps(r).encode()) for r in split_reply(json.loads(content), n)]
         except BaseException as e:  # noqa: BLE001 - every caller gets what its own request would have raised
-            for waiter in batch.waiters:
-                if not waiter.done():
-                    waiter.set_exception(e) if isinstance(e, Exception) else waiter.cancel()
+            for waiter in waiters:
+                if waiter.done():
+                    continue
+                if isinstance(e, Exception):
+                    waiter.set_exception(e)
+                else:  # this task cancelled (`close`): its callers with it
+                    waiter.cancel()
             if not isinstance(e, Exception):
                 raise
             return
-        for waiter, reply in zip(batch.waiters, replies, strict=True):
+        for waiter, reply in zip(waiters, replies, strict=True):
             if not waiter.done():  # a caller cancelled meanwhile: its sample is dropped
                 waiter.set_result(reply)
