@@ -374,8 +374,9 @@ def test_a_merged_reply_splits_into_the_replies_of_single_requests():
 
 
 def test_only_calls_the_server_could_not_tell_apart_merge():
-    """Same URL, body, timeout and headers but the trace's session id merge; a seed, an n of its own or streaming
-    never do (n requests with one seed sample the same tokens, one request for n would not)."""
+    """Same URL, body, timeout and headers but the trace's session id merge; a seed, an n of its own, greedy or
+    unstated temperature, or streaming never do (n greedy requests, or n with one seed, sample the same tokens, one
+    request for n would not, and vLLM refuses n > 1 when greedy)."""
     from prime_rl.orchestrator.coalesce import for_n, merge_key
 
     body = {"model": "m", "token_ids": [1, 2], "sampling_params": {"temperature": 1.0}}
@@ -385,8 +386,8 @@ def test_only_calls_the_server_could_not_tell_apart_merge():
     assert key != merge_key("u", body, {"Authorization": "Bearer other"}, 5)
     assert key != merge_key("v", body, auth, 5) and key != merge_key("u", body, auth, 6)
     assert key != merge_key("u", {**body, "token_ids": [1, 3]}, auth, 5)
-    for alone in ({"seed": 3}, {"n": 2}):
-        assert merge_key("u", {**body, "sampling_params": {"temperature": 1.0, **alone}}, auth, 5) is None
+    for alone in ({"temperature": 1.0, "seed": 3}, {"temperature": 1.0, "n": 2}, {"temperature": 0}, {}):
+        assert merge_key("u", {**body, "sampling_params": alone}, auth, 5) is None
     assert merge_key("u", {**body, "stream": True}, auth, 5) is None
     assert merge_key("u", {"what": "no sampling"}, auth, 5) is None
     assert for_n(body, 1) is body

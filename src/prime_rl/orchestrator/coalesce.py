@@ -8,8 +8,9 @@ requests with n = 8 against 0.38 s as 64 requests, 0.41 server CPU-seconds again
 (`benchmarks/bench_merged_samples.py`). The samples are the same independent draws.
 
 Calls merge only where the server could not tell them apart: the same URL, timeout and headers (but for the trace's
-`X-Session-ID`, which vLLM only carries into KV-cache events), the same body, and sampling with neither a `seed` (n
-requests with one seed sample the same tokens, one request for n does not) nor an `n` of its own. A call waits one
+`X-Session-ID`, which vLLM only carries into KV-cache events), the same body, and sampling at a temperature above 0
+with neither a `seed` nor an `n` of its own (n greedy requests, or n with one seed, sample the same tokens, one request
+for n does not; vLLM refuses n > 1 when greedy). A call waits one
 pass of the event loop for others to join: calls woken together (by the gate, or a batch of turns) arrive in that
 pass. Each caller gets the reply it would have got alone: its own choice, its completion's usage, a request id of
 its own; an error, the same error.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SESSION_HEADER = "X-Session-ID"
+GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
 
 Reply = tuple[int, Any, bytes]  # status, headers, body
 Send = Callable[[str, str, dict[str, str], Any], Awaitable[Reply]]  # url, JSON body, headers, timeout
@@ -34,6 +36,9 @@ def merge_key(url: str, body: dict, headers: dict[str, str], timeout: Any) -> tu
     sampling = body.get("sampling_params")
     if not isinstance(sampling, dict) or "seed" in sampling or "n" in sampling or body.get("stream"):
         return None
+    temperature = sampling.get("temperature")
+    if not isinstance(temperature, int | float) or temperature < GREEDY_BELOW:
+        return None  # greedy, or the server's default: vLLM refuses n > 1 when greedy
     same_headers = tuple(sorted((k, v) for k, v in headers.items() if k.lower() != SESSION_HEADER.lower()))
     return url, json.dumps(body, sort_keys=True), same_headers, timeout
 
