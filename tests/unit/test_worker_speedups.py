@@ -239,9 +239,9 @@ def test_generate_posts_on_aiohttp_the_request_the_sdk_would_send(monkeypatch):
             patches.post_generate_on_aiohttp()  # idempotent
             monkeypatch.setattr(openai.AsyncOpenAI, "post", None)  # the patched path must not need it
             direct = await call_generate(port, extra_headers={"X-Session-ID": "trace-1"})
-            assert len(patches._generate_sessions) == 1
+            assert len(patches._model_call_posters) == 1
             await patches.close_pooled_clients()
-            assert not patches._generate_sessions
+            assert not patches._model_call_posters
             return through_sdk, direct
         finally:
             await runner.cleanup()
@@ -351,7 +351,7 @@ def test_an_sdk_without_the_attributes_the_direct_post_reads_keeps_its_own_path(
 
     assert asyncio.run(main())["completion_ids"] == [7, 9]
     assert "model calls go through the SDK" in caplog.text and "_make_status_error_from_response" in caplog.text
-    assert not patches._generate_sessions
+    assert not patches._model_call_posters
 
 
 def test_a_merged_reply_splits_into_the_replies_of_single_requests():
@@ -381,15 +381,20 @@ def test_only_calls_the_server_could_not_tell_apart_merge():
 
     body = {"model": "m", "token_ids": [1, 2], "sampling_params": {"temperature": 1.0}}
     auth = {"Authorization": "Bearer k"}
-    key = merge_key("u", body, {**auth, "X-Session-ID": "a"}, 5)
-    assert key == merge_key("u", dict(reversed(body.items())), {**auth, "X-Session-ID": "b"}, 5)
-    assert key != merge_key("u", body, {"Authorization": "Bearer other"}, 5)
-    assert key != merge_key("v", body, auth, 5) and key != merge_key("u", body, auth, 6)
-    assert key != merge_key("u", {**body, "token_ids": [1, 3]}, auth, 5)
+
+    def key(url, body, headers, timeout=5):
+        return merge_key(url, body, headers, timeout, ignored_header="X-Session-ID")
+
+    merged = key("u", body, {**auth, "x-session-id": "a"})
+    assert merged == key("u", dict(reversed(body.items())), {**auth, "X-Session-ID": "b"})
+    assert merged != key("u", body, {**auth, "X-Other": "b"})
+    assert merged != key("u", body, {"Authorization": "Bearer other"})
+    assert merged != key("v", body, auth) and merged != key("u", body, auth, 6)
+    assert merged != key("u", {**body, "token_ids": [1, 3]}, auth)
     for alone in ({"temperature": 1.0, "seed": 3}, {"temperature": 1.0, "n": 2}, {"temperature": 0}, {}):
-        assert merge_key("u", {**body, "sampling_params": alone}, auth, 5) is None
-    assert merge_key("u", {**body, "stream": True}, auth, 5) is None
-    assert merge_key("u", {"what": "no sampling"}, auth, 5) is None
+        assert key("u", {**body, "sampling_params": alone}, auth) is None
+    assert key("u", {**body, "stream": True}, auth) is None
+    assert key("u", {"what": "no sampling"}, auth) is None
     assert for_n(body, 1) is body
     assert for_n(body, 4)["sampling_params"] == {"temperature": 1.0, "n": 4} and "n" not in body["sampling_params"]
 

@@ -24,22 +24,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SESSION_HEADER = "X-Session-ID"
 GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
 
 Reply = tuple[int, Any, bytes]  # status, headers, body
 Send = Callable[[str, str, dict[str, str], Any], Awaitable[Reply]]  # url, JSON body, headers, timeout
 
 
-def merge_key(url: str, body: dict, headers: dict[str, str], timeout: Any) -> tuple | None:
-    """What calls that may share a request have in common, or None for a call that must go alone."""
+def merge_key(url: str, body: dict, headers: dict[str, str], timeout: Any, ignored_header: str) -> tuple | None:
+    """What calls that may share a request have in common (the body's JSON second), or None for a call that must go
+    alone. `ignored_header` is the trace's session header, which may differ."""
     sampling = body.get("sampling_params")
     if not isinstance(sampling, dict) or "seed" in sampling or "n" in sampling or body.get("stream"):
         return None
     temperature = sampling.get("temperature")
     if not isinstance(temperature, int | float) or temperature < GREEDY_BELOW:
         return None  # greedy, or the server's default: vLLM refuses n > 1 when greedy
-    same_headers = tuple(sorted((k, v) for k, v in headers.items() if k.lower() != SESSION_HEADER.lower()))
+    same_headers = tuple(sorted((k, v) for k, v in headers.items() if k.lower() != ignored_header.lower()))
     return url, json.dumps(body, sort_keys=True), same_headers, timeout
 
 
@@ -70,6 +70,7 @@ def split_reply(data: dict, n: int) -> list[dict]:
 class _Batch:
     url: str
     body: dict
+    body_json: str  # the key's serialization, sent as is when the call goes alone
     headers: dict[str, str]
     timeout: Any
     waiters: list[asyncio.Future] = field(default_factory=list)
@@ -78,19 +79,20 @@ class _Batch:
 class Coalescer:
     """Merges the mergeable calls of one event loop that arrive in the same pass of it (see the module)."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, session_header: str) -> None:
         self.send = send
+        self.session_header = session_header  # the one header merged calls may differ in
         self.open: dict[tuple, _Batch] = {}
         self.sending: set[asyncio.Task] = set()  # referenced until done, so none is collected mid-flight
 
     async def post(self, url: str, body: dict, headers: dict[str, str], timeout: Any) -> Reply:
-        key = merge_key(url, body, headers, timeout)
+        key = merge_key(url, body, headers, timeout, self.session_header)
         if key is None:
             return await self.send(url, json.dumps(body), headers, timeout)
         loop = asyncio.get_running_loop()
         batch = self.open.get(key)
         if batch is None:
-            batch = self.open[key] = _Batch(url, body, headers, timeout)
+            batch = self.open[key] = _Batch(url, body, key[1], headers, timeout)
             loop.call_soon(self._dispatch, key)  # after the callbacks already due in this pass: the calls woken with it
         waiter = loop.create_future()
         batch.waiters.append(waiter)
@@ -113,9 +115,8 @@ class Coalescer:
         if n == 0:
             return
         try:
-            status, headers, content = await self.send(
-                batch.url, json.dumps(for_n(batch.body, n)), batch.headers, batch.timeout
-            )
+            data = batch.body_json if n == 1 else json.dumps(for_n(batch.body, n))
+            status, headers, content = await self.send(batch.url, data, batch.headers, batch.timeout)
             if n == 1 or status >= 400:
                 replies = [(status, headers, content)] * n
             else:

@@ -33,8 +33,7 @@ from prime_rl.utils import net
 
 _captured: dict[str, dict[tuple[int, ...], list[int]]] = {}
 _pooled_clients: weakref.WeakSet = weakref.WeakSet()
-_generate_sessions: dict = {}  # event loop -> aiohttp.ClientSession (post_generate_on_aiohttp)
-_coalescers: dict = {}  # event loop -> coalesce.Coalescer (post_generate_on_aiohttp)
+_model_call_posters: dict = {}  # event loop -> _ModelCallPoster (post_generate_on_aiohttp)
 _response_sink: contextvars.ContextVar[list | None] = contextvars.ContextVar("prime_rl_response_sink", default=None)
 
 GATE_KEY = "prime_rl_policy_gate"
@@ -195,43 +194,43 @@ def pool_http_clients_on_aiohttp() -> None:
 
 
 async def close_pooled_clients() -> None:
-    """Close the clients `pool_http_clients_on_aiohttp` made and the running loop's `post_generate_on_aiohttp` pool
-    and merged requests (call before the event loop ends)."""
+    """Close the clients `pool_http_clients_on_aiohttp` made and the running loop's `_ModelCallPoster` (call before
+    the event loop ends)."""
     for client in list(_pooled_clients):
         await client.aclose()
     _pooled_clients.clear()
-    loop = asyncio.get_running_loop()
-    if (merger := _coalescers.pop(loop, None)) is not None:
-        await merger.close()
-    session = _generate_sessions.pop(loop, None)
-    if session is not None:
-        await session.close()
+    if (poster := _model_call_posters.pop(asyncio.get_running_loop(), None)) is not None:
+        await poster.close()
 
 
-def _generate_session():
-    """The running loop's aiohttp pool for model calls: no cap on connections (one per rollout in flight, as with
-    verifiers' own limits), idle ones dropped after `net.KEEPALIVE_EXPIRY` s, before the server would drop them."""
-    import aiohttp
+class _ModelCallPoster:
+    """One event loop's way to the inference server for model calls: an aiohttp pool with no cap on connections (one
+    per rollout in flight, as with verifiers' own limits; idle ones dropped after `net.KEEPALIVE_EXPIRY` s, before the
+    server would drop them) and the merger of identical calls in front of it (`coalesce`)."""
 
-    loop = asyncio.get_running_loop()
-    session = _generate_sessions.get(loop)
-    if session is None or session.closed:
+    def __init__(self) -> None:
+        import aiohttp
+        from verifiers.v1.clients.client import SESSION_ID_HEADER
+
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=net.KEEPALIVE_EXPIRY)
-        session = _generate_sessions[loop] = aiohttp.ClientSession(connector=connector)
-    return session
+        self.session = aiohttp.ClientSession(connector=connector)
+        self.merger = coalesce.Coalescer(self.send, session_header=SESSION_ID_HEADER)
 
+    async def send(self, url: str, data: str, headers: dict[str, str], timeout) -> coalesce.Reply:
+        async with self.session.post(url, data=data, headers=headers, timeout=timeout) as response:
+            return response.status, response.headers, await response.read()
 
-async def _post_on_aiohttp(url: str, data: str, headers: dict[str, str], timeout) -> coalesce.Reply:
-    async with _generate_session().post(url, data=data, headers=headers, timeout=timeout) as response:
-        return response.status, response.headers, await response.read()
+    async def close(self) -> None:
+        """End merged requests still in flight, then the pool."""
+        await self.merger.close()
+        await self.session.close()
 
-
-def _coalescer() -> coalesce.Coalescer:
-    """The running loop's merger of identical model calls (`coalesce`)."""
-    loop = asyncio.get_running_loop()
-    if (merger := _coalescers.get(loop)) is None:
-        merger = _coalescers[loop] = coalesce.Coalescer(_post_on_aiohttp)
-    return merger
+    @staticmethod
+    def of_running_loop() -> _ModelCallPoster:
+        loop = asyncio.get_running_loop()
+        if (poster := _model_call_posters.get(loop)) is None:
+            poster = _model_call_posters[loop] = _ModelCallPoster()
+        return poster
 
 
 class DirectGeneratePost:
@@ -268,7 +267,9 @@ class DirectGeneratePost:
         url = str(self.prepare_url(path))
         headers = self.headers | ((options or {}).get("headers") or {})
         try:
-            status, reply_headers, content = await _coalescer().post(url, body, headers, self.timeout)
+            status, reply_headers, content = await _ModelCallPoster.of_running_loop().merger.post(
+                url, body, headers, self.timeout
+            )
         except TimeoutError as e:
             raise openai.APITimeoutError(request=httpx.Request("POST", url)) from e
         except aiohttp.ClientError as e:
