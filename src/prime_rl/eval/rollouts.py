@@ -36,6 +36,7 @@ from prime_rl.orchestrator.patches import (
 )
 from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.processes import Process, stop_all
 from prime_rl.utils.secret import SECRET_VAR
@@ -90,6 +91,7 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
         stack.push_async_callback(close_pooled_clients)
         for env in worker.envs.values():
             await stack.enter_async_context(env.serving())
+        freeze_setup_objects()
         yield worker
 
 

@@ -36,6 +36,7 @@ from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import rollout_workers
 from prime_rl.utils.bench import Column, format_bench_table
 from prime_rl.utils.fs import remove_steps_after
+from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.locks import OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.loop_lag import LoopLagMonitor
@@ -302,6 +303,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
         await workers.ready()
         logger.info(f"{config.workers} rollout worker(s) ready" if config.workers else "rollouts run in this process")
+        frozen = freeze_setup_objects()
+        logger.debug(f"{frozen} objects of set-up frozen: no collection walks them again (utils/gc_tuning.py)")
         scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers, temperatures)
         while max_steps is None or progress.step < max_steps:
             step = progress.step + 1

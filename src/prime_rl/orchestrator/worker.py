@@ -48,6 +48,7 @@ from prime_rl.orchestrator.patches import (
     post_generate_on_aiohttp,
 )
 from prime_rl.orchestrator.results import episode_results
+from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.loop_lag import LoopLagMonitor
 from prime_rl.utils.processes import exit_when_parent_changes
 
@@ -221,6 +222,7 @@ async def _serve(config, index: int, address: str) -> None:
             await socket.send(encoder.encode(await worker.run_group(request)))
 
         exit_when_parent_changes(parent)  # orphaned (orchestrator killed): exit instead of lingering
+        freeze_setup_objects()
         await socket.send(encoder.encode(Ready(worker=index)))
         running: set[asyncio.Task] = set()
         while True:
