@@ -97,6 +97,61 @@ def test_a_pydantic_without_the_private_helper_runs_without_the_cache(monkeypatc
     assert "run without its cache" in caplog.text
 
 
+def test_a_task_hashes_each_data_object_once_and_a_replaced_data_anew(monkeypatch):
+    from verifiers.v1 import task as vtask
+
+    from prime_rl.orchestrator import patches
+
+    class Row(vtask.TaskData):
+        text: str
+
+    monkeypatch.setattr(vtask.Task, "hash", vtask.Task.__dict__["hash"])  # the unpatched property, back after the test
+    task = vtask.Task(Row(prompt="reverse abc", text="abc"))
+    before, other_before = task.hash, task.with_data(text="abd").hash
+    assert before != other_before
+    real, hashed = vtask.task_key, []
+    monkeypatch.setattr(vtask, "task_key", lambda data: hashed.append(data) or real(data))
+    patches.cache_task_hashes()
+    patches.cache_task_hashes()  # idempotent
+    assert [task.hash, task.key, task.hash] == [before] * 3 and len(hashed) == 1
+    other = task.with_data(text="abd")  # a copy of the task, its kept hash included, holding new data
+    assert [other.hash, other.hash] == [other_before] * 2 and len(hashed) == 2
+    assert task.hash == before and len(hashed) == 2
+
+
+def test_hooks_are_invoked_as_before_with_each_functions_signature_parsed_once(monkeypatch):
+    import inspect
+
+    from verifiers.v1.utils import decorators
+
+    from prime_rl.orchestrator import patches
+
+    class Scorer:
+        def __init__(self, bonus: float) -> None:
+            self.bonus = bonus
+
+        def score(self, answer: str, reward: float = 0.0) -> float:
+            return reward + self.bonus + len(answer)
+
+    def free(answer: str, *rest, **extra) -> str:
+        return answer.upper()
+
+    monkeypatch.setattr(decorators, "inspect", inspect)  # undone after the test
+    parsed = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn, **kw: parsed.append(fn) or real(fn, **kw))
+    patches.cache_hook_signatures()
+    patches.cache_hook_signatures()  # idempotent
+    available = {"answer": "abc", "reward": 1.0, "unused": None}
+    assert decorators.invoke(Scorer(0.5).score, available) == 4.5
+    assert decorators.invoke(Scorer(2.0).score, available) == 6.0  # another instance: its own `self`
+    assert decorators.invoke(free, available) == "ABC"
+    assert decorators.invoke(free, available) == "ABC"
+    assert len(parsed) == 2  # Scorer.score once, free once
+    assert decorators.inspect.signature(Scorer(1.0).score) == real(Scorer(1.0).score)  # self dropped, as inspect does
+    assert decorators.inspect.isfunction is inspect.isfunction  # the rest is inspect's
+
+
 def test_verifiers_openai_clients_pool_on_aiohttp_and_still_talk_http(monkeypatch):
     """After the patch, verifiers' OpenAI client (the train client's) sends through aiohttp's pool: a request
     reaches a local server with the SDK's path, headers and body, and the reply comes back parsed; closing frees it."""

@@ -29,6 +29,8 @@ from prime_rl.orchestrator.envs import check_prompts_fit, load_tasks
 from prime_rl.orchestrator.messages import RolloutResult, RunGroup
 from prime_rl.orchestrator.patches import (
     cache_default_factory_signatures,
+    cache_hook_signatures,
+    cache_task_hashes,
     close_pooled_clients,
     load_tokenizers_lightly,
     pool_http_clients_on_aiohttp,
@@ -82,6 +84,8 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
     for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
     cache_default_factory_signatures()
+    cache_hook_signatures()
+    cache_task_hashes()
     pool_http_clients_on_aiohttp()
     post_generate_on_aiohttp()
     load_tokenizers_lightly()

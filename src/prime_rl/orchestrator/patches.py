@@ -1,6 +1,6 @@
 """What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions
-(and the policy gate in front of each model call), a cache for a pydantic check verifiers repeats on every model
-turn, aiohttp's connection pool under the client that calls the server, model calls posted on aiohttp without the
+(and the policy gate in front of each model call), caches for what verifiers recomputes on every model turn or
+hook (a pydantic check, a task's content hash, a hook's signature), aiohttp's connection pool under the client that calls the server, model calls posted on aiohttp without the
 OpenAI SDK's request machinery, and tokenizers loaded without transformers' modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
+import types
 import weakref
 
 from prime_rl.orchestrator import coalesce
@@ -150,6 +152,83 @@ def cache_default_factory_signatures() -> None:
 
     takes_validated_data_argument._prime_rl = True
     _fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+def cache_task_hashes() -> None:
+    """Compute a task's content hash once per data object, not on every read.
+
+    verifiers' `Task.hash` dumps the task's data to JSON and hashes it on every read, and an episode reads it four
+    times (`key` defaults to it): ~4% of the orchestrator's busy time in the demo (py-spy, 2026-11-28). The data is a
+    frozen pydantic model that a task replaces (`with_data`) rather than changes, so the hash is kept on the task with
+    the data object it belongs to, and computed again when the task holds another one. Subclasses with their own
+    `hash` keep it.
+    """
+    from verifiers.v1.task import Task
+
+    original = Task.__dict__.get("hash")
+    if not isinstance(original, property):  # a verifiers whose Task.hash is not a property: run without the cache
+        logging.getLogger(__name__).warning(
+            "verifiers %s: Task.hash is not a property, task hashes are not cached", _version("verifiers")
+        )
+        return
+    if getattr(original.fget, "_prime_rl", False):
+        return
+    compute = original.fget
+
+    def cached_hash(task) -> str:
+        data, kept = task.data, getattr(task, "_prime_rl_hash", None)
+        if kept is not None and kept[0] is data:
+            return kept[1]
+        value = compute(task)
+        task._prime_rl_hash = (data, value)
+        return value
+
+    cached_hash._prime_rl = True
+    Task.hash = property(cached_hash, doc=original.__doc__)
+
+
+class _InspectWithCachedSignatures:
+    """`inspect` as verifiers' hook invoker sees it: `signature` read once per function (for a bound method, per
+    underlying function: the signature does not depend on the instance); everything else is `inspect`'s."""
+
+    MAX_CACHED = 4096  # hooks are few; a run that makes new functions all the time refills the cache from empty
+
+    def __init__(self) -> None:
+        self.signatures: dict[tuple, inspect.Signature] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(inspect, name)
+
+    def signature(self, fn) -> inspect.Signature:
+        if isinstance(fn, types.MethodType):
+            key = (fn.__func__, True)
+        elif isinstance(fn, types.FunctionType):
+            key = (fn, False)
+        else:
+            return inspect.signature(fn)
+        signature = self.signatures.get(key)
+        if signature is None:
+            if len(self.signatures) >= self.MAX_CACHED:
+                self.signatures.clear()
+            signature = self.signatures[key] = inspect.signature(fn)
+        return signature
+
+
+def cache_hook_signatures() -> None:
+    """verifiers' `invoke` runs every scoring, stop and lifecycle hook (several per rollout) and parses the hook's
+    signature with `inspect.signature` on every call: ~3.7% of the orchestrator's busy time in the demo (py-spy,
+    2026-11-28). A function's signature does not change, so the module that holds `invoke` reads it from a cache."""
+    from verifiers.v1.utils import decorators
+
+    if isinstance(getattr(decorators, "inspect", None), _InspectWithCachedSignatures):
+        return
+    if getattr(decorators, "inspect", None) is not inspect:
+        logging.getLogger(__name__).warning(
+            "verifiers %s: its hook invoker does not read signatures through `inspect`, they are not cached",
+            _version("verifiers"),
+        )
+        return
+    decorators.inspect = _InspectWithCachedSignatures()
 
 
 def _version(distribution: str) -> str:

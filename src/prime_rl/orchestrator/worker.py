@@ -41,6 +41,8 @@ from prime_rl.orchestrator.patches import (
     GATE_KEY,
     POLICY_GATE,
     cache_default_factory_signatures,
+    cache_hook_signatures,
+    cache_task_hashes,
     close_pooled_clients,
     install_version_capture,
     load_tokenizers_lightly,
@@ -193,6 +195,8 @@ def install_worker_patches(level: str) -> None:
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     install_version_capture()
     cache_default_factory_signatures()
+    cache_hook_signatures()
+    cache_task_hashes()
     pool_http_clients_on_aiohttp()
     post_generate_on_aiohttp()
     load_tokenizers_lightly()
