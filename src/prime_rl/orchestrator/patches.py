@@ -1,7 +1,8 @@
 """What a rollout worker process patches into the libraries it runs: capture of vLLM's per-token weight versions
-(and the policy gate in front of each model call), caches for what verifiers recomputes on every model turn or
-hook (a pydantic check, a task's content hash, a hook's signature), aiohttp's connection pool under the client that calls the server, model calls posted on aiohttp without the
-OpenAI SDK's request machinery, and tokenizers loaded without transformers' modeling imports.
+(and the policy gate in front of each model call), caches for what verifiers recomputes on every model turn or hook
+(a pydantic check, a task's content hash, a hook's signature), aiohttp's connection pool under the client that calls
+the server, model calls posted on aiohttp without the OpenAI SDK's request machinery, and tokenizers loaded without
+transformers' modeling imports.
 
 Per-token policy versions: vLLM reports which weights sampled each token (`weight_versions`), but verifiers
 drops that field. The worker wraps `renderers.client.generate` (which verifiers' train client calls per model

@@ -16,8 +16,8 @@ import gc
 
 YOUNG_THRESHOLD = 50_000
 """Net allocations of tracked objects before the youngest generation is collected (Python's default: 700). A
-collection then walks at most this many young objects; what refcounting cannot free (reference cycles) waits longer,
-a few MiB at most."""
+collection then walks at most this many young objects; what only the collector can free (reference cycles) waits
+for it, at most this many objects (tens of MiB)."""
 
 
 def freeze_setup_objects() -> int:
