@@ -39,7 +39,8 @@ def follow_logs(logs: dict[str, Path], stop: threading.Event) -> None:
     shown."""
     files: dict[str, object] = {}
     start_at = {name: path.stat().st_size if path.exists() else 0 for name, path in logs.items()}
-    while not stop.is_set():
+
+    def show_new_lines() -> None:
         for name, path in logs.items():
             if name not in files:
                 if not path.exists():
@@ -51,7 +52,11 @@ def follow_logs(logs: dict[str, Path], stop: threading.Event) -> None:
                     print(f"[{name}] {m.group(1)}", flush=True)
                 elif m := PROBLEM_LINE.search(line.rstrip()):
                     print(f"[{name}] {m.group(1)}: {m.group(2)}", flush=True)
+
+    while not stop.is_set():
+        show_new_lines()
         stop.wait(0.5)
+    show_new_lines()  # what the processes wrote since the last pass: a run's last step lines, or why it failed
     for f in files.values():
         f.close()
 
@@ -91,6 +96,13 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
         followed["trainer"] = log_dir / "trainer.log"
     follower = threading.Thread(target=follow_logs, args=(followed, stop_following))
     follower.daemon = True
+
+    def stop_follower() -> None:
+        """Show the logs' last lines (the follower's final pass) before what `rl` says about the end."""
+        stop_following.set()
+        if follower.is_alive():
+            follower.join(2)
+
     interrupted = []
 
     def on_signal(signum, frame):
@@ -115,7 +127,8 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
                     url = None
                 elif waited > config.inference_timeout:
                     raise RuntimeError(f"inference not healthy after {waited:.0f}s:\n{inference.tail()}")
-            for p in processes.values():
+            stopping = False
+            for p in processes.values():  # every process found ended is named: the first to die may not come first
                 code = p.poll()
                 if code is None or (code == 0 and p is not inference) or p.name in failed_runs:
                     continue
@@ -125,6 +138,8 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
                     failed_runs.append(p.name)
                     continue
                 logger.error(f"{p.name} {what}; stopping the run. Last lines of {p.output}:\n{p.tail()}")
+                stopping = True
+            if stopping:
                 return 1
             left = [role for role, p in runs.items() if p.poll() is None]
             if runs and "trainer" in processes and processes["trainer"].poll() == 0 and left:
@@ -137,6 +152,7 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
                 logger.error(f"{', '.join(failed_runs)} failed; the others completed (output in {out})")
                 return 1
             if finishers and all(p.poll() == 0 for p in finishers):
+                stop_follower()
                 logger.success(f"run finished: {' and '.join(p.name for p in finishers)} completed (output in {out})")
                 return 0
             time.sleep(0.5)
@@ -148,6 +164,4 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
         return 1
     finally:
         stop_all(list(processes.values()), config.stop_grace)
-        stop_following.set()
-        if follower.is_alive():
-            follower.join(2)
+        stop_follower()
