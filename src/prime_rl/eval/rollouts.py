@@ -28,13 +28,8 @@ from prime_rl.eval.config import RolloutsConfig
 from prime_rl.orchestrator.envs import check_prompts_fit, load_tasks
 from prime_rl.orchestrator.messages import RolloutResult, RunGroup
 from prime_rl.orchestrator.patches import (
-    cache_default_factory_signatures,
-    cache_hook_signatures,
-    cache_task_hashes,
     close_pooled_clients,
-    load_tokenizers_lightly,
-    pool_http_clients_on_aiohttp,
-    post_generate_on_aiohttp,
+    install_speed_patches,
 )
 from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
@@ -83,12 +78,7 @@ async def rollout_worker(config: RolloutsConfig, keep_messages: bool = False) ->
 
     for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    cache_default_factory_signatures()
-    cache_hook_signatures()
-    cache_task_hashes()
-    pool_http_clients_on_aiohttp()
-    post_generate_on_aiohttp()
-    load_tokenizers_lightly()
+    install_speed_patches()
     worker = Worker(config, 0, keep_messages, chat_api=config.api == "chat")
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(close_shared_client)

@@ -399,6 +399,17 @@ def post_generate_on_aiohttp() -> None:
     rc.generate = generate_posting_directly
 
 
+def install_speed_patches() -> None:
+    """The patches that only make running rollouts cheaper (every one but the version capture), installed once by
+    every process that runs rollouts: rollout workers, the orchestrator's in-process worker, eval and synthesize."""
+    cache_default_factory_signatures()
+    cache_hook_signatures()
+    cache_task_hashes()
+    pool_http_clients_on_aiohttp()
+    post_generate_on_aiohttp()
+    load_tokenizers_lightly()
+
+
 def load_tokenizers_lightly() -> None:
     """Have renderers load a tokenizer with `models.tokenizers.load_tokenizer`: the class `AutoTokenizer` would pick,
     without importing transformers' modeling stack where the directory says which (~120 MiB less per process)."""

@@ -40,14 +40,9 @@ from prime_rl.orchestrator.messages import (
 from prime_rl.orchestrator.patches import (
     GATE_KEY,
     POLICY_GATE,
-    cache_default_factory_signatures,
-    cache_hook_signatures,
-    cache_task_hashes,
     close_pooled_clients,
+    install_speed_patches,
     install_version_capture,
-    load_tokenizers_lightly,
-    pool_http_clients_on_aiohttp,
-    post_generate_on_aiohttp,
 )
 from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.gc_tuning import freeze_setup_objects
@@ -194,12 +189,7 @@ def install_worker_patches(level: str) -> None:
     for name in ("verifiers", "aiohttp.access", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     install_version_capture()
-    cache_default_factory_signatures()
-    cache_hook_signatures()
-    cache_task_hashes()
-    pool_http_clients_on_aiohttp()
-    post_generate_on_aiohttp()
-    load_tokenizers_lightly()
+    install_speed_patches()
 
 
 async def _serve(config, index: int, address: str) -> None:
