@@ -32,11 +32,14 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from transformers import AttentionInterface, PreTrainedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from prime_rl.trainer.packing import PackedRow, piece_starts
 
@@ -217,7 +220,6 @@ def cp_context(group: ProcessGroup | None, full_position_ids: torch.Tensor) -> I
         _active = None
 
 
-@torch.compiler.disable  # collectives and a Python-side state: keep them out of compiled decoder layers
 def ulysses_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -291,11 +293,15 @@ def enable_context_parallel(model: PreTrainedModel, cp: int) -> None:
     Registering a name transformers has no mask builder for also makes it build no mask at all for the local chunk
     (`masking_utils` returns None early), which is right: the CP attention builds the full row's mask itself.
     """
+    from transformers import AttentionInterface  # here: importing transformers takes seconds, and the head needs none
+
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     if cp < 1 or heads % cp:
         raise ValueError(f"context parallelism cp={cp} must divide the model's num_attention_heads={heads}")
-    AttentionInterface.register(CP_ATTENTION, ulysses_attention)
+    # Collectives and a Python-side state: kept out of compiled decoder layers. Wrapped here rather than decorated,
+    # because `torch.compiler.disable` imports dynamo (~2.7 s), and the log-prob head imports this module.
+    AttentionInterface.register(CP_ATTENTION, torch.compiler.disable(ulysses_attention))
     model.set_attn_implementation(CP_ATTENTION)
     if model.config._attn_implementation != CP_ATTENTION:
         raise ValueError(
