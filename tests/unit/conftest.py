@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 import torch.distributed as dist
 
@@ -11,6 +13,22 @@ def one_rank():
     world = init_distributed()
     yield world
     dist.destroy_process_group()
+
+
+def run_at_once(commands: list[list[str]], timeout: float) -> list[subprocess.CompletedProcess]:
+    """`subprocess.run(command, capture_output=True, text=True, timeout=timeout)` for each command, all started together:
+    probes that each spend seconds importing on one core take the time of one on two. None outlives the call."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(procs, outputs, strict=True)
+    ]
 
 
 TEST_SECRET = "unit-test-run-secret-0123456789abcdef"

@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import run_at_once
 
 from prime_rl.config import BaseConfig, EntrypointConfig
 from prime_rl.config.loader import load_config, write_resolved_config
@@ -233,18 +234,11 @@ def test_inference_flags_vllm_knows_pass_and_others_fail():
     engine."""
     flag = ["--max-num-batched-tokens", "512"]
     # Both at once: each spends ~20 s importing vLLM on one core.
-    runs = [[INFERENCE, *flag, "--dry-run"], [INFERENCE, "--max-num-batched-tokns", "8"]]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in runs]
-    try:
-        (ok_out, ok_err), (_, bad_err) = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert procs[0].returncode == 0, ok_err
-    assert "# passed through: --max-num-batched-tokens 512" in ok_out
-    assert procs[1].returncode == 2
-    assert "unknown option(s) --max-num-batched-tokns" in bad_err and "Traceback" not in bad_err
+    ok, bad = run_at_once([[INFERENCE, *flag, "--dry-run"], [INFERENCE, "--max-num-batched-tokns", "8"]], timeout=180)
+    assert ok.returncode == 0, ok.stderr
+    assert "# passed through: --max-num-batched-tokens 512" in ok.stdout
+    assert bad.returncode == 2
+    assert "unknown option(s) --max-num-batched-tokns" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_unrelated_prime_env_vars_are_ignored(monkeypatch, capsys):

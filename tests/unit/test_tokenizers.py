@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_at_once
 from transformers import AutoTokenizer
 
 from prime_rl.models.tiny import TinyModelConfig, build_tiny_model
@@ -66,18 +67,12 @@ def test_renderers_load_it_without_the_modeling_imports(model_dir):
         "tokenizer = rb.load_tokenizer(sys.argv[1])\n"
         "print(type(tokenizer).__name__, 'torch._dynamo' in sys.modules)\n"
     )
-    modes = {"patched": "False", "plain": "True"}
+    modes = (("patched", "False"), ("plain", "True"))
     # Both at once: each spends seconds importing renderers and transformers on one core.
-    procs = {mode: subprocess.Popen([sys.executable, "-c", probe, str(model_dir), mode], stdout=subprocess.PIPE, text=True)
-             for mode in modes}  # fmt: skip
-    try:
-        outs = {mode: p.communicate(timeout=120)[0].split() for mode, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
-    for mode, imported in modes.items():
-        assert procs[mode].returncode == 0 and outs[mode] == ["TokenizersBackend", imported], mode
+    done = run_at_once([[sys.executable, "-c", probe, str(model_dir), mode] for mode, _ in modes], timeout=120)
+    for (mode, imported), proc in zip(modes, done, strict=True):
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["TokenizersBackend", imported], mode
 
 
 def test_the_orchestrator_imports_no_torch():
