@@ -76,7 +76,12 @@ def omp_env(config: RLConfig) -> dict[str, dict[str, str]]:
 
 
 def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    """`rl`'s environment for every process it starts. `PYTHONFAULTHANDLER` (unless set): a process killed by a
+    fatal signal (a segfault in a C extension, say) prints every thread's Python stack to its log before it dies,
+    where otherwise torchrun would report only "Signal 11 received"."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    return env
 
 
 def inference_process(config: RLConfig, log_dir: Path, tag: str) -> Process | None:

@@ -18,6 +18,7 @@ and reads top to bottom; the rest is here, once:
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -71,6 +72,7 @@ def trainer_process(role: str, config, errors: tuple[type[Exception], ...]) -> I
     it on every rank alike).
     """
     die_with_torchrun_agent()
+    faulthandler.enable(all_threads=True)  # a fatal signal prints this rank's Python stacks to its log
     world = init_distributed(config.model.cp)
     if world.device.type == "cpu":
         keep_freed_memory()  # every step reuses the memory the last one freed, instead of faulting it in again
