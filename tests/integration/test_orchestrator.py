@@ -51,10 +51,11 @@ def orchestrator_args(srv, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start_orchestrator(srv, out: Path, *extra: str) -> subprocess.Popen:
+def start_orchestrator(srv, out: Path, *extra: str, home: Path | None = None) -> subprocess.Popen:
+    """`home`: the process's HOME (where verifiers keeps each rollout's working directory), else the test's own."""
     # tests/integration on the path: the workers import test environments (vf_flaky_env) from there
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, KEY_VAR: API_KEY, "PYTHONPATH": path}
+    env = {**os.environ, KEY_VAR: API_KEY, "PYTHONPATH": path} | ({"HOME": str(home)} if home else {})
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "console.out", "w")
     return subprocess.Popen(
@@ -365,6 +366,34 @@ def test_killed_orchestrator_leaves_only_complete_batches(tied_server):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
     for n in steps:
         assert len(read_batch(batch_path(out, n)).samples) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sigterm_mid_run_cancels_the_rollouts_and_leaves_no_working_directory(tied_server, workers):
+    """`rl` stops an orchestrator with SIGTERM (its process group: worker processes too). The rollouts in flight are
+    cancelled and cleaned up as verifiers cleans up, each one's working directory under ~/.cache/verifiers removed,
+    and it says it stopped. SIGTERM used to end it at once: every stopped run left up to a batch of directories."""
+    srv = tied_server
+    out = srv.root / "runs" / f"sigterm-{workers}"
+    home = srv.root / f"home-sigterm-{workers}"
+    runtimes = home / ".cache" / "verifiers" / "runtimes" / "subprocess"
+    extra = ["--max-steps", "1000", "--max-async-level", "1000", "--workers", str(workers)]
+    proc = start_orchestrator(srv, out, *extra, home=home)
+    try:
+        deadline = time.monotonic() + 120
+        while not (batch_path(out, 2).exists() and runtimes.is_dir() and any(runtimes.iterdir())):  # rollouts running
+            assert proc.poll() is None and time.monotonic() < deadline, (out / "console.out").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(15)  # rl's stop_grace
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = (out / "console.out").read_text()
+    assert code == 128 + signal.SIGTERM and "stopped (SIGTERM)" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert sorted(p.name for p in runtimes.iterdir()) == []
 
 
 def test_a_server_dying_under_generation_fails_rollouts_as_retryable(tmp_path, verifiers_loop, monkeypatch):

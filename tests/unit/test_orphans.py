@@ -64,3 +64,44 @@ def test_a_process_started_by_hand_has_no_watcher():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.stdout.strip() == "['MainThread']", result.stderr
+
+
+STOPPED_BY_SIGTERM = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from prime_rl.utils.processes import SigtermCancels
+
+    async def main():
+        sigterm = SigtermCancels()
+        try:
+            print("ready", flush=True)
+            await asyncio.sleep(60)
+        finally:
+            sigterm.disarm()
+            os.kill(os.getpid(), signal.SIGTERM)  # another one while cleaning up, as when rl stops a run that failed
+            await asyncio.sleep(0.3)
+            print("cleaned up", flush=True)
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        print("cancelled", flush=True)
+        sys.exit(143)
+    """
+)
+
+
+def test_sigterm_cancels_the_task_and_its_cleanup_runs_to_the_end():
+    """`rl` stops its processes with SIGTERM. An armed `SigtermCancels` turns it into the task's cancellation (its
+    `finally` runs: the orchestrator cancels its rollouts and verifiers removes their working directories), and once
+    disarmed a SIGTERM no longer cuts that cleanup short. By default the first SIGTERM would end the process before
+    any `finally` ran, and an armed second one would cancel the cleanup's own awaits."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out) == (143, "cleaned up\ncancelled\n")

@@ -14,6 +14,7 @@ as one table.
 """
 
 import asyncio
+import signal
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from prime_rl.utils.locks import OutputDirLock
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.loop_lag import LoopLagMonitor
 from prime_rl.utils.monitor import Monitor
+from prime_rl.utils.processes import SigtermCancels
 
 SAMPLE_ROWS = 8
 """Rollouts in the samples table of the log extras."""
@@ -248,6 +250,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     workers.launch()
     lag_task = servers = monitor = None
     exit_code = 1
+    sigterm = SigtermCancels()  # how `rl` stops us: the cleanup below runs, and main() says "stopped"
     try:
         tasks = load_environments(config)
         ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
@@ -356,6 +359,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             print(format_bench_table(bench_rows, BENCH_COLUMNS), flush=True)
         exit_code = 0
     finally:
+        sigterm.disarm()
         if lag_task is not None:
             lag_task.cancel()
         await workers.close()
@@ -374,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         logger.warning("interrupted")
         sys.exit(130)
+    except asyncio.CancelledError:  # SIGTERM (how `rl` stops it): rollouts in flight were cancelled and cleaned up
+        logger.warning("stopped (SIGTERM)")
+        sys.exit(128 + signal.SIGTERM)
     except Exception as e:
         logger.error(f"orchestrator failed: {type(e).__name__}: {e}")
         if config.log.level == "debug":

@@ -47,7 +47,7 @@ from prime_rl.orchestrator.patches import (
 from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.loop_lag import LoopLagMonitor
-from prime_rl.utils.processes import exit_when_parent_changes
+from prime_rl.utils.processes import SigtermCancels, exit_when_parent_changes
 
 # ---------------------------------------------------------------------------------------------------------
 # The worker process.
@@ -219,18 +219,24 @@ async def _serve(config, index: int, address: str) -> None:
         freeze_setup_objects()
         await socket.send(encoder.encode(Ready(worker=index)))
         running: set[asyncio.Task] = set()
-        while True:
-            message = decoder.decode(await socket.recv())
-            if isinstance(message, Shutdown):
-                break
-            if isinstance(message, PolicyServed):
-                POLICY_GATE.advance(message.step)
-                continue
-            task = asyncio.create_task(run_and_reply(message))
-            running.add(task)
-            task.add_done_callback(running.discard)
-        for task in running | background:
-            task.cancel()
+        sigterm = SigtermCancels()  # SIGTERM reaches us with the orchestrator's process group
+        try:
+            while True:
+                message = decoder.decode(await socket.recv())
+                if isinstance(message, Shutdown):
+                    break
+                if isinstance(message, PolicyServed):
+                    POLICY_GATE.advance(message.step)
+                    continue
+                task = asyncio.create_task(run_and_reply(message))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:  # Shutdown, or SIGTERM: the rollouts in flight end (and clean up) while their servers still run
+            sigterm.disarm()
+            for task in running | background:
+                task.cancel()
+            with late_requests_refused_quietly():
+                await asyncio.gather(*running, *background, return_exceptions=True)
     socket.close()
     context.term()
 
@@ -245,7 +251,7 @@ def worker_main(config_json: str, index: int, address: str, log_dir: str | None,
     install_worker_patches(level)
     try:
         asyncio.run(_serve(config, index, address))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM with the orchestrator's process group
         pass
     sys.exit(0)
 

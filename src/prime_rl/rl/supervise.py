@@ -163,5 +163,8 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
         logger.error(str(e))
         return 1
     finally:
-        stop_all(list(processes.values()), config.stop_grace)
+        # The orchestrators first, and alone: stopped after their trainer or server, they would report those gone.
+        orchestrators = [p for p in processes.values() if p.name.startswith("orchestrator")]
+        stop_all(orchestrators, config.stop_grace)
+        stop_all([p for p in processes.values() if p not in orchestrators], config.stop_grace)
         stop_follower()

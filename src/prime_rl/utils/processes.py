@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -50,6 +51,27 @@ def exit_when_parent_changes(parent: int, grace: float = 0.0) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-when-parent-changes", daemon=True).start()
+
+
+class SigtermCancels:
+    """Until `disarm()`, SIGTERM cancels the task that made this, as Ctrl-C cancels `asyncio.run`'s main task.
+
+    `rl`, `stop_all` and the parent-death signal stop a process with SIGTERM, whose default action ends it at once,
+    before any `finally`: the rollouts in flight then leave their working directories (under ~/.cache/verifiers)
+    behind and the monitor never closes its run. A cancelled task unwinds instead. Disarm where the cleanup starts:
+    a SIGTERM then (after an error that a SIGTERM follows, as when `rl` stops every process of a run) must not cut the
+    cleanup short; `stop_all`'s SIGKILL after its grace, and `exit_when_orphaned`, still bound how long it takes."""
+
+    def __init__(self) -> None:
+        self.task, self.armed = asyncio.current_task(), True
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self) -> None:
+        if self.armed:  # read when the callback runs: a signal that came just before `disarm` cancels nothing
+            self.task.cancel()
+
+    def disarm(self) -> None:
+        self.armed = False
 
 
 class Process:
