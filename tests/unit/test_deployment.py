@@ -139,6 +139,21 @@ def test_a_started_server_gets_its_key_by_environment_not_as_a_masked_file_value
     assert processes["orchestrator"].env[API_KEY_VAR] == "k-9"
 
 
+def test_every_process_prints_its_python_stacks_on_a_fatal_signal_unless_told_otherwise(tmp_path, monkeypatch):
+    """`rl` gives its processes `PYTHONFAULTHANDLER=1`, so a segfault in a C extension (a trainer rank in CI, once)
+    leaves every thread's Python stack in the process's log; a value of the user's own is passed on unchanged."""
+    from prime_rl.rl.processes import build_processes, orchestrators
+
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    config = rl_config(tmp_path)
+    processes = build_processes(config, orchestrators(config), tmp_path / "logs", "")
+    assert sorted(processes) == ["inference", "orchestrator", "trainer"]
+    assert {p.env["PYTHONFAULTHANDLER"] for p in processes.values()} == {"1"}
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "")
+    processes = build_processes(config, orchestrators(config), tmp_path / "logs", "")
+    assert {p.env["PYTHONFAULTHANDLER"] for p in processes.values()} == {""}
+
+
 def test_rollout_workers_close_before_they_started(tmp_path):
     """A run failing before its workers were needed (a server refusing the first weights) reports that failure,
     not `can only join a started process` from closing workers that never started."""
