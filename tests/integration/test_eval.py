@@ -3,8 +3,10 @@ server lifetime, and failing endpoints give per-rollout errors and a summary ins
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -20,8 +22,8 @@ EVAL = str(Path(sys.executable).parent / "eval")
 KEY_VAR = "PRIME_TEST_API_KEY"
 
 
-def run_eval(srv, out: Path, *extra: str, key: str = API_KEY, url: str | None = None, timeout: float = 300):
-    args = [
+def eval_args(srv, out: Path, *extra: str, url: str | None = None) -> list[str]:
+    return [
         EVAL,
         "--output-dir", str(out),
         "--model.name", str(srv.base),
@@ -32,6 +34,10 @@ def run_eval(srv, out: Path, *extra: str, key: str = API_KEY, url: str | None = 
         "--sampling.max-tokens", "8",
         *extra,
     ]  # fmt: skip
+
+
+def run_eval(srv, out: Path, *extra: str, key: str = API_KEY, url: str | None = None, timeout: float = 300):
+    args = eval_args(srv, out, *extra, url=url)
     return subprocess.run(args, env={**os.environ, KEY_VAR: key}, capture_output=True, text=True, timeout=timeout)
 
 
@@ -176,3 +182,30 @@ def test_a_bad_environment_fails_before_the_server_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "eval: error: environment 'nim'" in proc.stderr and "max_turns" in proc.stderr
     assert not (tmp_path / "logs" / "inference.out").exists()
+
+
+def test_sigterm_mid_eval_cancels_the_rollouts_and_leaves_no_working_directory(tied_server, tmp_path):
+    """A SIGTERM (a Kubernetes Job stopped, `timeout`, a scheduler's preemption) unwinds eval as Ctrl-C does: the
+    rollouts in flight are cancelled and verifiers removes each one's working directory under ~/.cache/verifiers,
+    exit 143. It used to end the process at once, leaving up to `max_concurrent` directories behind per stop."""
+    home = tmp_path / "home"
+    runtimes = home / ".cache" / "verifiers" / "runtimes" / "subprocess"
+    env = json.dumps([{"id": "reverse-text", "num_examples": 1000, "rollouts_per_example": 2}])
+    args = eval_args(tied_server, tmp_path / "out", "--env", env)
+    environ = {**os.environ, KEY_VAR: API_KEY, "HOME": str(home)}
+    proc = subprocess.Popen(args, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (runtimes.is_dir() and any(runtimes.iterdir())):  # rollouts running
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM and "eval stopped (SIGTERM)" in err, err[-3000:]
+    assert "Traceback" not in err + out, err[-3000:]
+    assert sorted(p.name for p in runtimes.iterdir()) == []
+    assert not (tmp_path / "out" / "summary.json").exists()

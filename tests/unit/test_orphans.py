@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 CHILD = textwrap.dedent(
     """
@@ -77,7 +78,8 @@ STOPPED_BY_SIGTERM = textwrap.dedent(
             print("ready", flush=True)
             await asyncio.sleep(60)
         finally:
-            sigterm.disarm()
+            if sys.argv[1] == "disarm":  # where the cleanup starts (the orchestrator); eval disarms only at the end
+                sigterm.disarm()
             os.kill(os.getpid(), signal.SIGTERM)  # another one while cleaning up, as when rl stops a run that failed
             await asyncio.sleep(0.3)
             print("cleaned up", flush=True)
@@ -91,12 +93,14 @@ STOPPED_BY_SIGTERM = textwrap.dedent(
 )
 
 
-def test_sigterm_cancels_the_task_and_its_cleanup_runs_to_the_end():
+@pytest.mark.parametrize("disarm", ["disarm", "armed"])
+def test_sigterm_cancels_the_task_and_its_cleanup_runs_to_the_end(disarm):
     """`rl` stops its processes with SIGTERM. An armed `SigtermCancels` turns it into the task's cancellation (its
-    `finally` runs: the orchestrator cancels its rollouts and verifiers removes their working directories), and once
-    disarmed a SIGTERM no longer cuts that cleanup short. By default the first SIGTERM would end the process before
-    any `finally` ran, and an armed second one would cancel the cleanup's own awaits."""
-    proc = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM], stdout=subprocess.PIPE, text=True)
+    `finally` runs: the orchestrator cancels its rollouts and verifiers removes their working directories), and a
+    second SIGTERM, whether the cleanup disarmed it or not, does not cut that cleanup short. By default the first
+    SIGTERM would end the process before any `finally` ran, and a second cancellation the cleanup's own awaits."""
+    command = [sys.executable, "-c", STOPPED_BY_SIGTERM, disarm]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
         proc.send_signal(signal.SIGTERM)

@@ -35,7 +35,7 @@ from prime_rl.orchestrator.worker import Worker
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.health import wait_healthy
-from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.processes import Process, SigtermCancels, stop_all
 from prime_rl.utils.secret import SECRET_VAR
 
 BIN = Path(sys.executable).parent
@@ -184,17 +184,30 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     return server
 
 
+async def stoppable(run: Callable[[], Awaitable[T]]) -> T:
+    """`run()`, which SIGTERM cancels as Ctrl-C does (the rollouts in flight unwind and verifiers removes their
+    working directories) instead of ending the process before any cleanup."""
+    sigterm = SigtermCancels()
+    try:
+        return await run()
+    finally:
+        sigterm.disarm()
+
+
 def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], run: Callable[[], Awaitable[T]]) -> T:
     """Serve the model if `[inference]` asks for it, run `run()`, stop the server; a failure is one log line and
-    exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130."""
+    exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130, SIGTERM 143."""
     server = None
     try:
         if config.inference is not None:
             server = start_inference(name, config, weight_paths)
-        return asyncio.run(run())
+        return asyncio.run(stoppable(run))
     except KeyboardInterrupt:
         logger.warning("interrupted")
         sys.exit(130)
+    except asyncio.CancelledError:
+        logger.warning(f"{name} stopped (SIGTERM)")
+        sys.exit(143)
     except Exception as e:
         logger.opt(exception=e).debug(f"{name} failed")
         logger.error(f"{name} failed: {type(e).__name__}: {e}")

@@ -68,6 +68,7 @@ class SigtermCancels:
 
     def _on_sigterm(self) -> None:
         if self.armed:  # read when the callback runs: a signal that came just before `disarm` cancels nothing
+            self.armed = False  # one cancellation: a second SIGTERM must not cancel the cleanup the first started
             self.task.cancel()
 
     def disarm(self) -> None:
