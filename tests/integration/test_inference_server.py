@@ -332,6 +332,21 @@ def test_verifiers_train_client_gets_tokens_and_processed_logprobs(server, monke
     assert raw_gap > 4 * LOGPROB_ATOL
 
 
+def test_token_replies_skip_detokenizing_and_stop_strings_still_apply(server):
+    """A token-mode request without stop strings is served without detokenizing (`inference/tokens_mode.py`): its
+    reply equals, token for token and logprob for logprob, the one for the same greedy request with a stop string
+    that never matches (which detokenizes). A stop string that matches still ends the completion early."""
+    plain = generate(server, max_tokens=12, ignore_eos=True)
+    never = generate(server, max_tokens=12, ignore_eos=True, stop=["\x00never\x00"])
+    assert plain == never and len(plain["ids"]) == 12
+    text = [server.tokenizer.decode([i]) for i in plain["ids"]]
+    # The first whole character piece that the text before it does not contain: the stop string's first match.
+    cut = next(i for i in range(12) if text[i] and "\ufffd" not in text[i] and text[i] not in "".join(text[:i]))
+    stopped = generate(server, max_tokens=12, ignore_eos=True, stop=[text[cut]])
+    assert len(stopped["ids"]) <= cut + 1 < 12 and stopped["ids"] == plain["ids"][: len(stopped["ids"])]
+    assert stopped["logprobs"] == plain["logprobs"][: len(stopped["ids"])]
+
+
 def test_chat_completions_return_token_ids_and_logprobs(server):
     body = {
         "model": str(server.base),

@@ -622,3 +622,32 @@ def test_successful_sampling_requests_leave_no_access_line_and_everything_else_d
         '127.0.0.1:5 - "GET /health HTTP/1.1" 200',
         "a line of another shape",
     ]
+
+
+def test_token_mode_requests_without_stop_strings_skip_detokenizing_and_the_plugin_installs_it():
+    """vLLM detokenizes every sampled and logprob token of a generate request unless told not to, though a
+    token-mode reply carries no text; stop strings need the text, and text mode returns it."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    from prime_rl.inference.plugin import PrimeRLEndpoints
+    from prime_rl.inference.tokens_mode import skip_detokenizing
+
+    def detokenizes(body: dict) -> bool:
+        request = GenerateRequest.model_validate({"model": "m", "token_ids": [1, 2], **body})
+        skip_detokenizing(request)
+        return request.sampling_params.detokenize
+
+    params = {"max_tokens": 4, "logprobs": 1, "stop_token_ids": [3]}  # what the verifiers train client sends
+    assert not detokenizes({"sampling_params": params})
+    assert detokenizes({"sampling_params": {**params, "stop": ["</answer>"]}})
+    assert detokenizes({"sampling_params": {**params, "stop": "x"}})
+    assert detokenizes({"sampling_params": params, "output_mode": "text"})
+
+    original = ServingTokens.serve_tokens
+    try:
+        PrimeRLEndpoints().attach_router(FastAPI())
+        PrimeRLEndpoints().attach_router(FastAPI())  # a second app wraps nothing twice
+        assert ServingTokens.serve_tokens.__wrapped__ is original
+    finally:
+        ServingTokens.serve_tokens = original

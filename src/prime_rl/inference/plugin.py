@@ -2,7 +2,8 @@
 
 Loaded by vLLM's API server when `VLLM_PLUGINS` names `prime_rl` (the `inference` entry point sets it). It adds
 - the admin routes (`prime_rl.inference.admin`): swap weights in place, load LoRA adapters, `GET /weights`;
-- the generate-route logprob fix (`prime_rl.inference.logprob_tokens`);
+- the generate-route logprob fix (`prime_rl.inference.logprob_tokens`), and no detokenizing of its token-mode
+  replies (`prime_rl.inference.tokens_mode`);
 - the 503 gate for weights that failed to load (`prime_rl.inference.swapper`);
 - the access guard (`prime_rl.inference.access`): every route but `/health`, `/ping` and `/version` (ours and
   vLLM's, present and future) needs the server's token: its API key, or without one the run secret.
@@ -22,6 +23,7 @@ from prime_rl.inference.adapters import Adapters
 from prime_rl.inference.admin import router
 from prime_rl.inference.logprob_tokens import GenerateLogprobTokens
 from prime_rl.inference.swapper import BASE_VERSION, WeightsUnknownGate, WeightSwapper
+from prime_rl.inference.tokens_mode import skip_detokenizing_token_replies
 
 
 class PrimeRLEndpoints:
@@ -32,6 +34,7 @@ class PrimeRLEndpoints:
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
+        skip_detokenizing_token_replies()
         app.add_middleware(GenerateLogprobTokens)
         app.add_middleware(WeightsUnknownGate)
         app.add_middleware(AccessGuard)  # added last: outermost, in front of every route
