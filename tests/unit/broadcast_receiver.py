@@ -1,8 +1,8 @@
 """A stand-in inference worker for the weight-broadcast protocol tests (the real one lives inside vLLM).
 
 Reads one JSON line per transfer on stdin: the body the orchestrator sends a server (`broadcast`), the server's own
-settings (`settings`: host, port, timeout) and test-only fields; joins or reuses the group as a vLLM worker does
-(through the trainer's store, with the run secret from the environment), receives the transfer and answers one JSON
+settings (`settings`: host, port, timeout, key) and test-only fields; joins or reuses the group as a vLLM worker does
+(through the trainer's store, with the store key its settings carry, as the server hands it to its workers), receives the transfer and answers one JSON
 line: {"step": n} after saving the tensors to `out`, {"refused": ...} or {"error": ...}. Test-only fields: `refuse`
 (say no to the header), `die_after` (exit after receiving that many tensors, as a crashed worker)."""
 
@@ -12,7 +12,6 @@ import sys
 
 import torch
 
-from prime_rl.utils.secret import require_secret
 from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import read_session
 from prime_rl.weight_broadcast.transfer import agree, join_group, receive_header, receive_tensors
@@ -30,7 +29,7 @@ def main() -> None:
         try:
             if key not in groups:
                 groups.clear()
-                store = StoreClient(settings["host"], settings["port"], require_secret("a test"), settings["timeout"])
+                store = StoreClient(settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"])
                 assert read_session(store, 5)["id"] == spec["session"], "stale session"
                 group = join_group(store, spec["group"], spec["rank"], spec["world_size"], "gloo", settings["timeout"])
                 groups[key] = (store, group)

@@ -31,7 +31,10 @@ def run_at_once(commands: list[list[str]], timeout: float) -> list[subprocess.Co
     ]
 
 
-TEST_SECRET = "unit-test-run-secret-0123456789abcdef"
+TEST_SECRET = "0123456789abcdef" * 4
+"""A run secret in the format `utils.secret` takes (hex, 64 digits)."""
+TEST_KEY = __import__("prime_rl.utils.secret", fromlist=["derive"]).derive(TEST_SECRET, "weight-broadcast-store")
+"""The store key derived from it."""
 
 
 @pytest.fixture
@@ -48,7 +51,7 @@ def trainer_store(monkeypatch):
     monkeypatch.setenv(SECRET_VAR, TEST_SECRET)
     table, session = Table(), uuid.uuid4().hex
     set_json(table, SESSION, {"id": session, "backend": "gloo"})
-    server = StoreServer("127.0.0.1", 0, TEST_SECRET, table)
-    settings = {"type": "gloo", "host": "127.0.0.1", "port": server.port, "timeout": 10.0}
+    server = StoreServer("127.0.0.1", 0, TEST_KEY, table)
+    settings = {"type": "gloo", "host": "127.0.0.1", "port": server.port, "timeout": 10.0, "key": TEST_KEY.hex()}
     yield SimpleNamespace(server=server, table=table, session=session, settings=settings)
     server.close()

@@ -39,11 +39,12 @@ def main() -> None:
     attempt(results, "stop the trainer (TCPStore client)", lambda: torch_store().set("orchestrator_done", "1"))
     attempt(results, "request a transfer (TCPStore client)", lambda: torch_store().set("request/1", "{}"))
 
+    from prime_rl.utils.secret import STORE_PURPOSE, derive
     from prime_rl.weight_broadcast.client import StoreClient
     from prime_rl.weight_broadcast.transfer import join_group
 
-    def guessed(secret: str):
-        return StoreClient(host, port, secret, 3)
+    def guessed(secret: str):  # the key a guessed secret derives
+        return StoreClient(host, port, derive(secret, STORE_PURPOSE), 3)
 
     for secret in ("", "prime-rl", "0" * 64, "changeme" * 4):
         attempt(results, f"authenticate with {secret!r}", lambda secret=secret: guessed(secret).get("session", 0))

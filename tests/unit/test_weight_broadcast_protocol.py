@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TEST_SECRET
+from conftest import TEST_KEY, TEST_SECRET
 from transformers import AutoModelForCausalLM
 
 from prime_rl.config import CheckpointConfig, WeightBroadcastConfig
@@ -117,7 +117,7 @@ def trainer(tmp_path, one_rank, monkeypatch):
 
     thread = threading.Thread(target=serve)
     thread.start()
-    settings = {"host": config.host, "port": config.port, "timeout": TIMEOUT}
+    settings = {"host": config.host, "port": config.port, "timeout": TIMEOUT, "key": TEST_KEY.hex()}
     yield SimpleNamespace(config=config, sender=sender, model=model, errors=errors, settings=settings)
     sender.table.set(ORCHESTRATOR_DONE, "test")
     thread.join(30)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import TEST_SECRET
+from conftest import TEST_KEY
 
 from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.store import HANDSHAKE_SECONDS, MAX_HANDSHAKES, MAX_KEYS, StoreServer, Table
@@ -31,13 +31,13 @@ ATTACKER = Path(__file__).with_name("store_attacker.py")
 
 @pytest.fixture
 def store():
-    server = StoreServer("127.0.0.1", 0, TEST_SECRET)
+    server = StoreServer("127.0.0.1", 0, TEST_KEY)
     yield server
     server.close()
 
 
-def client(server: StoreServer, secret: str = TEST_SECRET, timeout: float = 5) -> StoreClient:
-    return StoreClient("127.0.0.1", server.port, secret, timeout)
+def client(server: StoreServer, key: bytes = TEST_KEY, timeout: float = 5) -> StoreClient:
+    return StoreClient("127.0.0.1", server.port, key, timeout)
 
 
 def test_table_semantics_are_c10d_s():
@@ -90,8 +90,8 @@ def test_a_name_that_resolves_to_loopback_is_refused(monkeypatch):
         socket, "getaddrinfo", lambda host, *a, **k: real("127.0.1.1" if host == "node0" else host, *a, **k)
     )
     with pytest.raises(OSError, match="'node0' resolves to 127.0.1.1"):
-        StoreServer("node0", 0, TEST_SECRET)
-    StoreServer("localhost", 0, TEST_SECRET).close()  # asked for
+        StoreServer("node0", 0, TEST_KEY)
+    StoreServer("localhost", 0, TEST_KEY).close()  # asked for
 
 
 def test_a_process_without_the_secret_can_read_write_and_join_nothing(store):
@@ -110,7 +110,7 @@ def test_a_process_without_the_secret_can_read_write_and_join_nothing(store):
 
 def test_a_client_trusts_no_server_without_the_secret(store):
     """A process squatting the port (or a store of another run) cannot pass for the trainer's store."""
-    impostor = StoreServer("127.0.0.1", 0, "another-run-secret-0123456789")
+    impostor = StoreServer("127.0.0.1", 0, bytes(32))
     try:
         with pytest.raises(StoreAuthError, match="refused our run secret"):
             client(impostor)
@@ -126,7 +126,7 @@ def test_a_client_trusts_no_server_without_the_secret(store):
 
     threading.Thread(target=greet_wrongly, daemon=True).start()
     with pytest.raises(StoreAuthError, match="not a prime-rl weight-broadcast store"):
-        StoreClient("127.0.0.1", listener.getsockname()[1], TEST_SECRET, 5)
+        StoreClient("127.0.0.1", listener.getsockname()[1], TEST_KEY, 5)
     listener.close()
 
 
@@ -137,7 +137,7 @@ def test_a_silent_peer_fails_the_client_within_its_timeout_not_minutes():
     threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
     start = time.monotonic()
     with pytest.raises(StoreTimeout, match="did not authenticate within 2 s"):
-        StoreClient("127.0.0.1", listener.getsockname()[1], TEST_SECRET, 60, connect_timeout=2)
+        StoreClient("127.0.0.1", listener.getsockname()[1], TEST_KEY, 60, connect_timeout=2)
     assert time.monotonic() - start < 4
     listener.close()
 

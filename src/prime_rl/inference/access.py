@@ -9,20 +9,21 @@ from typing import Any
 
 from prime_rl.inference.http_io import error_response
 from prime_rl.utils.net import is_loopback
-from prime_rl.utils.secret import run_secret, token_matches
+from prime_rl.utils.secret import http_token, token_matches
 
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
 """The only routes that answer without the server's token: a route vLLM adds later is closed until listed here."""
 
 
 def server_tokens(args: Namespace) -> list[str]:
-    """The bearer tokens this server accepts: its API key(s) (`--api-key`, `VLLM_API_KEY`), or without one the run
-    secret; empty: it is open (allowed only on loopback, or when its operator said so: `open_access_problem`)."""
+    """The bearer tokens this server accepts: its API key(s) (`--api-key`, `VLLM_API_KEY`), or without one the run's
+    HTTP token (derived from the run secret, never the secret itself); empty: it is open (allowed only on loopback, or
+    when its operator said so: `open_access_problem`)."""
     keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
     if keys:
         return keys
-    secret = run_secret()
-    return [secret] if secret else []
+    token = http_token()
+    return [token] if token else []
 
 
 def open_access_problem(host: str, tokens: list[str], allow_unauthenticated: bool) -> str | None:
@@ -31,8 +32,8 @@ def open_access_problem(host: str, tokens: list[str], allow_unauthenticated: boo
         return None
     return (
         f"the server would listen on {host!r} with no API key and no run secret: anyone who reaches the port could "
-        "swap its weights. Set --server.api-key (or PRIME_SERVER__API_KEY), or PRIME_RL_SECRET, or say "
-        "--server.allow-unauthenticated to serve openly on a network you trust"
+        "swap its weights. Give it a key by environment (PRIME_SERVER__API_KEY, or PRIME_RL_SECRET for a run), or "
+        "say --server.allow-unauthenticated to serve openly on a network you trust"
     )
 
 

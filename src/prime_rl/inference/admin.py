@@ -34,7 +34,6 @@ from prime_rl.inference.swapper import (
     WeightSwapper,
 )
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip
-from prime_rl.utils.secret import SecretError, require_secret
 from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import MAX_MEMBERS, read_session
 from prime_rl.weight_broadcast.wire import StoreAuthError, StoreError
@@ -134,7 +133,7 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
         )
     try:
         session = await asyncio.to_thread(current_session, settings)
-    except (SecretError, StoreAuthError) as e:
+    except StoreAuthError as e:
         return error_response(502, f"cannot use the trainer's weight-broadcast store: {clip(e, 500)}")
     except (StoreError, ValueError) as e:
         message = f"the trainer's weight-broadcast store did not answer ({clip(e, 500)})"
@@ -159,8 +158,7 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
 
 def current_session(settings: dict) -> str:
     """The session id the trainer's store names (a short authenticated connection; bounded by the timeout)."""
-    secret = require_secret("receiving a weight broadcast")
-    store = StoreClient(settings["host"], settings["port"], secret, settings["timeout"])
+    store = StoreClient(settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"])
     try:
         return read_session(store, min(settings["timeout"], 5.0))["id"]
     finally:

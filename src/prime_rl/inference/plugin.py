@@ -24,6 +24,7 @@ from prime_rl.inference.admin import router
 from prime_rl.inference.logprob_tokens import GenerateLogprobTokens
 from prime_rl.inference.swapper import BASE_VERSION, WeightsUnknownGate, WeightSwapper
 from prime_rl.inference.tokens_mode import skip_detokenizing_token_replies
+from prime_rl.utils.secret import store_key
 
 
 class PrimeRLEndpoints:
@@ -47,9 +48,10 @@ class PrimeRLEndpoints:
         base_dir = resolve_model_dir(args.model)
         roots = [Path(p) for p in getattr(args, "prime_weight_roots", [])]
         await warm_up(engine_client)
-        state.prime_swapper = WeightSwapper(
-            engine_client, base_dir, roots, getattr(args, "prime_weight_broadcast", None)
-        )
+        broadcast = getattr(args, "prime_weight_broadcast", None)
+        if broadcast is not None:  # the store key goes to the workers with each request, never by environment
+            broadcast = {**broadcast, "key": store_key("receiving a weight broadcast").hex()}
+        state.prime_swapper = WeightSwapper(engine_client, base_dir, roots, broadcast)
         state.prime_adapters = Adapters(engine_client, state.openai_serving_models, roots, state.prime_swapper.expected)
         await state.prime_adapters.init()
         # Tokens of the base policy are reported as version "base" (vLLM's default label is "default").

@@ -17,7 +17,7 @@ from prime_rl.inference import cpu_engine
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.utils.net import port_in_use
 from prime_rl.utils.processes import exit_when_orphaned
-from prime_rl.utils.secret import SecretError
+from prime_rl.utils.secret import SecretError, store_key, take_keys
 
 PLUGIN_NAME = "prime_rl"
 
@@ -119,8 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     from prime_rl.inference.access import open_access_problem, server_tokens
 
     try:
+        keys = take_keys()  # before vLLM starts any process: none of them inherits the secret
         tokens = server_tokens(build_vllm_args(config, extra))
         problem = open_access_problem(config.server.host, tokens, config.server.allow_unauthenticated)
+        if problem is None and config.weight_broadcast.in_memory and keys.store is None:
+            store_key("receiving the trainer's weight broadcast (weight_broadcast.type gloo/nccl)")
     except SecretError as e:
         problem = str(e)
     if problem is not None:

@@ -110,7 +110,6 @@ class WeightSwapExtension:
         """The group `spec` names: joined once through the trainer's store (authenticated with the run secret), kept
         while the membership stays the same. The store must name the session the orchestrator saw: a group of an
         earlier trainer is never joined."""
-        from prime_rl.utils.secret import require_secret
         from prime_rl.weight_broadcast.client import StoreClient
         from prime_rl.weight_broadcast.protocol import read_session
         from prime_rl.weight_broadcast.transfer import join_group
@@ -119,8 +118,7 @@ class WeightSwapExtension:
         key = (spec["session"], spec["group"])
         if key not in groups:
             groups.clear()  # an older group's peers may be gone
-            secret = require_secret("receiving a weight broadcast")
-            store = StoreClient(settings["host"], settings["port"], secret, settings["timeout"])
+            store = StoreClient(settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"])
             try:
                 if read_session(store, settings["timeout"])["id"] != spec["session"]:
                     raise RuntimeError("the trainer's store names another session: that trainer is gone")

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from loguru import logger
 
 from prime_rl.config import WeightBroadcastConfig
-from prime_rl.utils.secret import require_secret
+from prime_rl.utils.secret import store_key
 from prime_rl.weight_broadcast.client import StoreClient
 from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,
@@ -41,7 +41,7 @@ class BroadcastClient:
     def __init__(self, config: WeightBroadcastConfig, ack_timeout: float):
         config.require_port()
         self.config = config
-        self.secret = require_secret("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
+        self.key = store_key("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
         self.ack_timeout = ack_timeout
         """Seconds to wait for the trainer to start a transfer (it answers between training steps)."""
         self.id = uuid.uuid4().hex
@@ -75,7 +75,7 @@ class BroadcastClient:
             self.next_connect = time.monotonic() + 1.0
             try:
                 # A short connect: this runs on the event loop, once a second until the trainer is up.
-                store = StoreClient(self.config.host, self.config.port, self.secret, self.config.timeout, 1.0)
+                store = StoreClient(self.config.host, self.config.port, self.key, self.config.timeout, 1.0)
             except StoreAuthError:
                 raise
             except StoreError:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from loguru import logger
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.utils import net
 from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
+from prime_rl.utils.secret import client_token
 
 LOAD_ATTEMPTS = 3
 """Times recovery tries to load the current policy on a server that answers before giving up on it."""
@@ -55,7 +55,7 @@ class InferenceServers:
         """Adapter mode: the name our policies (steps >= 1) are loaded under; None: policies are full weights."""
         self.workers: dict[str, int] = {}
         """Workers per server (members of a broadcast group), asked once per server life."""
-        key = os.environ.get(api_key_var)
+        key = client_token(api_key_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=2, keepalive_expiry=net.KEEPALIVE_EXPIRY)
         self.admin = {

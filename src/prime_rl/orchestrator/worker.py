@@ -48,6 +48,7 @@ from prime_rl.orchestrator.results import episode_results
 from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.loop_lag import LoopLagMonitor
 from prime_rl.utils.processes import SigtermCancels, exit_when_parent_changes
+from prime_rl.utils.secret import client_token
 
 # ---------------------------------------------------------------------------------------------------------
 # The worker process.
@@ -241,12 +242,24 @@ async def _serve(config, index: int, address: str) -> None:
     context.term()
 
 
-def worker_main(config_json: str, index: int, address: str, log_dir: str | None, level: str) -> None:
-    """Entry point of a spawned worker process."""
+def hold_token(api_key_var: str, token: str | None) -> None:
+    """Where verifiers' clients look for the servers' token (they read `api_key_var` from the environment on every
+    request), set after this process started: it is not in the block `/proc/<pid>/environ` shows, and verifiers'
+    subprocess runtime passes no variable named `*API_KEY*` to the programs it runs (`rl` picks such a name)."""
+    if token:
+        os.environ[api_key_var] = token
+
+
+def worker_main(
+    config_json: str, index: int, address: str, log_dir: str | None, level: str, token: str | None = None
+) -> None:
+    """Entry point of a spawned worker process; `token`: the servers' bearer token (a spawn argument: it reaches the
+    worker through the spawn pipe, never by environment)."""
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.utils.logging import setup_logging
 
     config = OrchestratorConfig.model_validate_json(config_json)
+    hold_token(config.client.api_key_var, token)
     setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
     install_worker_patches(level)
     try:
@@ -276,10 +289,11 @@ class RolloutWorkers:
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         spawn = multiprocessing.get_context("spawn")
         config_json = config.model_dump_json()
+        token = client_token(config.client.api_key_var)
         self.processes = [
             spawn.Process(
                 target=worker_main,
-                args=(config_json, i, f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None, level),
+                args=(config_json, i, f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None, level, token),
                 name=f"rollout-worker-{i}",
                 daemon=True,
             )
@@ -377,6 +391,7 @@ class InProcessWorker:
         """Nothing to spawn: the environments load in `ready`."""
 
     async def ready(self) -> None:
+        hold_token(self.config.client.api_key_var, client_token(self.config.client.api_key_var))
         install_worker_patches(self.level)
         POLICY_GATE.reset()  # a process may run several orchestrators in turn (tests do)
         self.worker = Worker(self.config, 0, training=True)

@@ -1,6 +1,6 @@
 """`main`: the order of an `rl` run, from loading the config to the exit code.
 
-Seed variables, config, run secret, model directories, the output-dir lock, logging; then the inference server
+Seed variables, config, the run's keys, model directories, the output-dir lock, logging; then the inference server
 starts, so that vLLM imports while the slower checks run (environments, resume; a failed one stops it again); the
 resolved config, cleaning stale outputs (or waiting for the host that does), then `launch`; with `--bench`, the
 table last.
@@ -17,20 +17,21 @@ from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.rl.bench import metrics_size, print_bench_table
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
-from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_secret
+from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_keys
 from prime_rl.rl.processes import inference_process, orchestrators
 from prime_rl.rl.resume import clean_stale_outputs, resolve_resume, resolve_run_resumes
 from prime_rl.rl.supervise import launch
 from prime_rl.utils.locks import OutputDirBusy, check_free
 from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.secret import RunKeys
 
 
 def main(argv: list[str] | None = None) -> None:
     """Exits with the run's code: 0 done, 1 a process failed, 2 refused before anything started, 130 interrupted."""
     seed_environment(os.environ)
     config, _ = load_config(RLConfig, "rl", argv)
-    provide_secret(config)
+    keys = provide_keys(config)
     roles = config.deployment.roles
     names = {config.trainer.model.name} if "trainer" in roles else set()
     if config.inference is not None and "inference" in roles:
@@ -43,12 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
     lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
     # vLLM takes longest to start: it imports while the checks below run (a failed check stops it).
-    inference = inference_process(config, config.output_dir / "logs", tag)
+    inference = inference_process(config, config.output_dir / "logs", tag, keys)
     if inference is not None:
         start_logging(config, tag)
         inference.start()
     try:
-        code = prepare_and_launch(config, orchs, inference, tag)
+        code = prepare_and_launch(config, orchs, inference, tag, keys)
     except BaseException:
         stop_all([inference] if inference is not None else [], config.stop_grace)
         raise
@@ -60,7 +61,7 @@ def start_logging(config: RLConfig, tag: str) -> None:
     setup_logging("rl", config.log.level, config.output_dir / "logs", file_name=config.log.file or f"rl{tag}.log")
 
 
-def prepare_and_launch(config: RLConfig, orchs: dict, inference: Process | None, tag: str) -> int:
+def prepare_and_launch(config: RLConfig, orchs: dict, inference: Process | None, tag: str, keys: RunKeys) -> int:
     """The rest of the preflight (environments, resume, stale outputs), then `launch`; the run's exit code."""
     roles = config.deployment.roles
     for orch in orchs.values() if config.runs else []:
@@ -93,7 +94,7 @@ def prepare_and_launch(config: RLConfig, orchs: dict, inference: Process | None,
     if config.bench is not None:
         logger.info(f"bench: {config.bench.steps} steps, checkpoints and W&B off; a table follows the run")
     metrics_start = metrics_size(config.output_dir)
-    code = launch(config, orchs, inference)
+    code = launch(config, orchs, inference, keys)
     if code == 0 and config.bench is not None and {"orchestrator", "trainer"} & set(roles):
         print_bench_table(config.output_dir, metrics_start)
     return code

@@ -30,11 +30,11 @@ from prime_rl.orchestrator.config import AdapterConfig, OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.monitor_config import WandbConfig
 from prime_rl.utils.net import free_port
-from prime_rl.utils.secret import SECRET_VAR
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
-"""The variable by which the orchestrator gets the inference servers' API key (an environment variable, never a
-config file: a launch config file holds secrets masked)."""
+"""The `client.api_key_var` of the orchestrators `rl` starts: `rl` hands them the servers' token on stdin, and their
+rollout workers hold it under this name for verifiers' clients, whose subprocess runtime passes no variable named
+`*API_KEY*` to the programs it runs."""
 ROLES = ("inference", "orchestrator", "trainer")
 
 
@@ -227,7 +227,7 @@ class RLConfig(EntrypointConfig):
         if self.api_key() is not None:
             _share(orch.client, "api_key_var", API_KEY_VAR, "orchestrator.client", "the inference API key")
         elif inf is not None and "api_key_var" not in orch.client.model_fields_set:
-            orch.client.api_key_var = SECRET_VAR  # the run's servers take the run secret as token when they have no key
+            orch.client.api_key_var = API_KEY_VAR  # where its workers hold the run's HTTP token (`utils.secret`)
         if inf is not None and inf.max_num_seqs is None and "orchestrator" in deploy.roles:
             inf.max_num_seqs = self._rollouts_in_flight()
         if self.bench is not None:

@@ -1,6 +1,6 @@
 """Preflight: everything that can be wrong is found before any process starts.
 
-A missing model directory, an output dir another run still writes to, a run secret that is missing or malformed, and
+A missing model directory, an output dir another run still writes to, a run secret that is missing or weak, and
 (when `rl` starts no server of its own) a bad environment: each ends `rl` with one line and exit code 2 (`fail`, like
 a config error), before any process starts and each prints its own traceback. With a server to start, `rl` starts it
 first and leaves the environments to the orchestrator, which loads them first thing.
@@ -15,7 +15,7 @@ from pathlib import Path
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
-from prime_rl.utils.secret import SECRET_VAR, SecretError, new_secret, run_secret
+from prime_rl.utils.secret import SECRET_VAR, RunKeys, SecretError, derive_keys, new_secret, take_keys
 
 
 def fail(message: str) -> None:
@@ -63,17 +63,19 @@ def claim_output_dir(output_dir: Path, name: str, roles: list[str]) -> OutputDir
     return lock
 
 
-def provide_secret(config: RLConfig) -> None:
-    """Every process of the run gets the run secret by environment: the one given, or on one host a new one. Hosts
-    of one run must share theirs, so a run over several hosts refuses to make one up."""
+def provide_keys(config: RLConfig) -> RunKeys:
+    """The run's keys (`utils.secret`), derived from the run secret given, or on one host a new one that no file, log
+    or environment ever holds. Hosts of one run must share theirs, so a run over several hosts refuses to make one up.
+    The HTTP token is the servers' API key where the config gives one."""
     try:
-        if run_secret() is not None:
-            return
+        keys = take_keys()
     except SecretError as e:
         fail(str(e))
-    if not config.deployment.single_host:
-        fail(
-            f"a run over several hosts needs the same run secret on every host: set {SECRET_VAR} "
-            f"(e.g. `export {SECRET_VAR}=$(openssl rand -hex 32)`; deploy/slurm and the Helm chart do it for you)"
-        )
-    os.environ[SECRET_VAR] = new_secret()  # inherited by every process `rl` starts, never written anywhere
+    if keys.store is None:
+        if not config.deployment.single_host:
+            fail(
+                f"a run over several hosts needs the same run secret on every host: set {SECRET_VAR} "
+                f"(e.g. `export {SECRET_VAR}=$(openssl rand -hex 32)`; deploy/slurm and the Helm chart do it for you)"
+            )
+        keys = derive_keys(new_secret())
+    return RunKeys(keys.store, config.api_key() or keys.http)

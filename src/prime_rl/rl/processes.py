@@ -1,7 +1,8 @@
 """The processes a host starts, built but not started: each one's command, environment, config file and log.
 
 Each process gets its section of `RLConfig` as a TOML file under `output_dir/configs/rl<tag>/`, so it can be
-rerun by hand with the exact config `rl` gave it; secrets go by environment only (a file would hold them masked).
+rerun by hand with the exact config `rl` gave it; keys go on its stdin only, each process the ones it needs
+(`utils.secret`): never in a file, on a command line or in an environment.
 The trainer runs under `torchrun` on its own GPUs (one rank on one node: a plain process); with `[[runs]]` there is one
 orchestrator per run.
 """
@@ -15,9 +16,10 @@ from pathlib import Path
 from prime_rl.config.loader import to_toml
 from prime_rl.inference.cpu_engine import is_cpu_build
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.config import API_KEY_VAR, RLConfig
+from prime_rl.rl.config import RLConfig
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.processes import Process
+from prime_rl.utils.secret import KEY_VARS, RunKeys
 
 BIN = Path(sys.executable).parent
 
@@ -79,51 +81,65 @@ def _base_env() -> dict[str, str]:
     """`rl`'s environment for every process it starts. `PYTHONFAULTHANDLER` (unless set): a process killed by a
     fatal signal (a segfault in a C extension, say) prints every thread's Python stack to its log before it dies,
     where otherwise torchrun would report only "Signal 11 received"."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and k not in KEY_VARS}
     env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 
-def inference_process(config: RLConfig, log_dir: Path, tag: str) -> Process | None:
+def keys_for(role: str, config: RLConfig, keys: RunKeys | None) -> RunKeys | None:
+    """What `role` needs of the run's keys: the store key where weights go in memory (the trainer hosts the store,
+    the orchestrator asks it for transfers, the servers receive them), the HTTP token for the orchestrator and the
+    servers. The trainer never gets the token: it calls no server."""
+    if keys is None:
+        return None
+    store = keys.store if config.weight_broadcast is not None and config.weight_broadcast.in_memory else None
+    return RunKeys(store, None if role == "trainer" else keys.http)
+
+
+def inference_process(config: RLConfig, log_dir: Path, tag: str, keys: RunKeys | None = None) -> Process | None:
     """This host's inference server (not started), or None when it runs none."""
     if config.inference is None or "inference" not in config.deployment.roles:
         return None
     env = {**_base_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
     env.update(omp_env(config).get("inference", {}))
-    if (api_key := config.api_key()) is not None:
-        env["PRIME_SERVER__API_KEY"] = api_key
-    # The key goes by environment: the file would hold it masked, and a file value beats the environment.
+    # The API key, if any, is the HTTP token in `keys`: the file would hold it masked, and a file value beats stdin.
     keyless = config.inference.server.model_copy(update={"api_key": None})
     launch_dir = config.output_dir / "configs" / f"rl{tag}"
     cfg = write_section(config.inference.model_copy(update={"server": keyless}), launch_dir / "inference.toml")
     cmd = [str(BIN / "inference"), "@", str(cfg)] + (["--log.file", f"inference{tag}.log"] if tag else [])
-    return Process("inference", cmd, env, log_dir / f"inference{tag}.out")
+    return Process("inference", cmd, env, log_dir / f"inference{tag}.out", keys_for("inference", config, keys))
 
 
 def build_processes(
-    config: RLConfig, orchs: dict[str, OrchestratorConfig], log_dir: Path, tag: str, with_inference: bool = True
+    config: RLConfig,
+    orchs: dict[str, OrchestratorConfig],
+    log_dir: Path,
+    tag: str,
+    keys: RunKeys | None = None,
+    with_inference: bool = True,
 ) -> dict[str, Process]:
-    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`; without the server
-    when `with_inference` is false (`rl` starts it first, see `inference_process`)."""
+    """The processes of this host's roles, by role (not started); `orchs` from `orchestrators`; `keys`: the run's
+    (`preflight.provide_keys`); without the server when `with_inference` is false (`rl` starts it first, see
+    `inference_process`)."""
     out = config.output_dir
     launch_dir = out / "configs" / f"rl{tag}"
     base_env = _base_env()
     roles, processes = config.deployment.roles, {}
-    api_key = config.api_key()
     omp = omp_env(config)
-    if with_inference and (inference := inference_process(config, log_dir, tag)) is not None:
+    if with_inference and (inference := inference_process(config, log_dir, tag, keys)) is not None:
         processes["inference"] = inference
     if "orchestrator" in roles:
-        env = {**base_env, **({API_KEY_VAR: api_key} if api_key is not None else {})}
         for role, orch in orchs.items():
             stem = role.replace("/", ".")  # orchestrator/<run> -> orchestrator.<run>.toml, .out
             cmd = [str(BIN / "orchestrator"), "@", str(write_section(orch, launch_dir / f"{stem}.toml"))]
-            processes[role] = Process(role, cmd, env, log_dir / f"{stem}{tag}.out")
+            processes[role] = Process(role, cmd, base_env, log_dir / f"{stem}{tag}.out", keys_for(role, config, keys))
     if "trainer" in roles:
         env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.trainer_gpu_ids))}
         env.update(omp["trainer"])
         cmd = trainer_command(config, write_section(config.trainer, launch_dir / "trainer.toml"))
-        processes["trainer"] = Process("trainer", cmd, env, log_dir / f"trainer{tag}.out")
+        processes["trainer"] = Process(
+            "trainer", cmd, env, log_dir / f"trainer{tag}.out", keys_for("trainer", config, keys)
+        )
     return processes
 
 

@@ -24,6 +24,7 @@ from prime_rl.rl.deploy import host_tag
 from prime_rl.rl.processes import build_processes
 from prime_rl.utils.health import HEALTHY, health_state
 from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.secret import RunKeys
 
 TRAINER_DONE_GRACE = 60.0
 """Seconds a run's orchestrator may still run after the trainer finished (its last checkpoint, W&B)."""
@@ -73,7 +74,9 @@ def probe_health(url: str) -> bool:
         return False
 
 
-def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Process | None) -> int:
+def launch(
+    config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Process | None, keys: RunKeys | None = None
+) -> int:
     """Start this host's other roles next to `inference` (this host's server, started already, or None) and supervise
     them: the run ends when its orchestrator and trainer (those started here) finish; a host that only serves
     inference runs until it is stopped. With `runs`, a run whose orchestrator fails ends alone (the trainer sees it
@@ -82,7 +85,7 @@ def launch(config: RLConfig, orchs: dict[str, OrchestratorConfig], inference: Pr
     out = config.output_dir
     log_dir = out / "logs"
     tag = host_tag(config)
-    processes = build_processes(config, orchs, log_dir, tag, with_inference=False)
+    processes = build_processes(config, orchs, log_dir, tag, keys, with_inference=False)
     if inference is not None:
         processes = {"inference": inference, **processes}
     finishers = [p for role, p in processes.items() if role != "inference"]

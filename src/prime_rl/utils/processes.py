@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 from loguru import logger
+
+from prime_rl.utils.secret import KEYS_VAR, RunKeys
 
 
 def die_with_parent() -> None:
@@ -77,26 +80,35 @@ class SigtermCancels:
 
 class Process:
     """A command in its own process group (so stopping it stops everything it started), writing its console to
-    `output`, that receives SIGTERM if the process that started it dies."""
+    `output`, that receives SIGTERM if the process that started it dies. `keys`: written on its stdin at start, the
+    only way keys reach a child (`utils.secret`)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path):
-        self.name, self.cmd, self.env, self.output = name, cmd, env, output
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], output: Path, keys: RunKeys | None = None):
+        self.name, self.cmd, self.env, self.output, self.keys = name, cmd, env, output, keys
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         """`time.monotonic()` when it was started."""
 
     def start(self) -> None:
         self.started_at = time.monotonic()
+        env = {**self.env, LAUNCHER_VAR: str(os.getpid())}
+        if self.keys is not None:
+            env[KEYS_VAR] = "1"
         with open(self.output, "ab") as out:
             self.proc = subprocess.Popen(
                 self.cmd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**self.env, LAUNCHER_VAR: str(os.getpid())},
+                stdin=subprocess.DEVNULL if self.keys is None else subprocess.PIPE,
+                env=env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+        if self.keys is not None:  # one short line: the pipe's buffer holds it (a child that died at once: no reader)
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.write(self.keys.encode())
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
         logger.info(f"started {self.name} (pid {self.proc.pid}): {' '.join(self.cmd)}")
 
     def poll(self) -> int | None:

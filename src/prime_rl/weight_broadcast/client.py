@@ -9,7 +9,6 @@ import socket
 import struct
 import threading
 
-from prime_rl.utils.secret import derive
 from prime_rl.weight_broadcast.wire import (
     MAC_BYTES,
     MAGIC,
@@ -33,10 +32,9 @@ class StoreClient:
     bounded by `timeout` (plus the wait a `get` asks for). After any failure the connection is closed and every later call fails at once: a
     stream that failed midway cannot be trusted to be in step."""
 
-    def __init__(self, host: str, port: int, secret: str, timeout: float, connect_timeout: float = CONNECT_SECONDS):
+    def __init__(self, host: str, port: int, key: bytes, timeout: float, connect_timeout: float = CONNECT_SECONDS):
         self.address, self.timeout = f"{host}:{port}", timeout
         self.lock = threading.Lock()
-        key = derive(secret, "weight-broadcast-store")
         connect_timeout = min(timeout, connect_timeout)
         try:
             self.sock = socket.create_connection((host, port), timeout=connect_timeout)

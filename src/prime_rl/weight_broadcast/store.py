@@ -29,7 +29,6 @@ import time
 from loguru import logger
 
 from prime_rl.utils.net import is_loopback
-from prime_rl.utils.secret import derive
 from prime_rl.weight_broadcast.wire import (
     MAC_BYTES,
     MAGIC,
@@ -134,9 +133,9 @@ class StoreServer:
     One thread accepts; each connection has its own thread (a `get` waits in it). The run secret's purpose-bound key
     signs the handshake; a failed handshake just closes the connection (and is logged at most once a minute)."""
 
-    def __init__(self, host: str, port: int, secret: str, table: Table | None = None):
+    def __init__(self, host: str, port: int, key: bytes, table: Table | None = None):
         self.table = table or Table()
-        self.key = derive(secret, "weight-broadcast-store")
+        self.key = key
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         if is_loopback(address[0]) and not is_loopback(host):  # a loopback `host` is what was asked for
             raise OSError(

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from prime_rl.config import WeightBroadcastConfig
 from prime_rl.trainer.model.build import SetupError
 from prime_rl.trainer.parallel.distributed import World, broadcast_object
-from prime_rl.utils.secret import SecretError, require_secret
+from prime_rl.utils.secret import SecretError, store_key
 from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,
     PUBLISHED,
@@ -58,11 +58,11 @@ class WeightSender:
         """Time spent sending since the loop last read it (`pop_seconds`)."""
         if world.is_main:
             try:
-                secret = require_secret("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
+                key = store_key("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
                 port = config.require_port()
                 self.table = Table()
                 set_json(self.table, SESSION, {"id": self.session, "backend": config.type})  # there before anyone looks
-                self.server = StoreServer(config.host, port, secret, self.table)
+                self.server = StoreServer(config.host, port, key, self.table)
             except (SecretError, ValueError) as e:
                 raise SetupError(str(e)) from None
             except OSError as e:
