@@ -42,7 +42,7 @@ def servers_for(srv, port: int, tmp_path: Path) -> InferenceServers:
 
 async def published(servers: InferenceServers, step: int, sender: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 120
-    while servers.latest_published() < step:
+    while await servers.latest_published() < step:
         assert sender.poll() is None and time.monotonic() < deadline, log.read_text()
         await asyncio.sleep(0.1)
 

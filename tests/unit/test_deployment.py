@@ -12,8 +12,8 @@ from prime_rl.config.loader import load_config
 from prime_rl.rl import RLConfig
 from prime_rl.rl.config import API_KEY_VAR
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
-from prime_rl.rl.preflight import provide_secret
-from prime_rl.rl.processes import build_processes, trainer_command
+from prime_rl.rl.preflight import provide_keys
+from prime_rl.rl.processes import build_processes, orchestrators, trainer_command
 from prime_rl.utils.secret import SECRET_VAR
 
 INFERENCE = '[inference]\n[inference.server]\nhost = "10.0.0.7"\nport = 8100\n'
@@ -125,18 +125,20 @@ def test_a_trainer_host_waits_for_its_run_and_gives_up_naming_it(tmp_path, capsy
     assert 0.9 < time.monotonic() - started < 3
 
 
-def test_a_started_server_gets_its_key_by_environment_not_as_a_masked_file_value(tmp_path, monkeypatch):
+def test_a_started_server_gets_its_key_on_stdin_not_as_a_masked_file_value(tmp_path, monkeypatch):
     """The launch config of `inference` is written with secrets masked; a masked key in the file would beat the
-    environment and the server would require the literal mask (every orchestrator request then gets 401)."""
+    environment and the server would require the literal mask (every orchestrator request then gets 401). The key
+    reaches the server and the orchestrator as their HTTP token on stdin, in no environment."""
     from prime_rl.rl.processes import build_processes, orchestrators
 
     monkeypatch.setenv("PRIME_DEPLOYMENT__INFERENCE_API_KEY", "k-9")
     config = rl_config(tmp_path)
-    processes = build_processes(config, orchestrators(config), tmp_path / "logs", "")
+    processes = build_processes(config, orchestrators(config), tmp_path / "logs", "", provide_keys(config))
     inference_toml = Path(processes["inference"].cmd[2]).read_text()
     assert "api_key" not in inference_toml and "*****" not in inference_toml
-    assert processes["inference"].env["PRIME_SERVER__API_KEY"] == "k-9"
-    assert processes["orchestrator"].env[API_KEY_VAR] == "k-9"
+    assert processes["inference"].keys.http == processes["orchestrator"].keys.http == "k-9"
+    assert processes["trainer"].keys.http is None  # it calls no server
+    assert not any("k-9" in p.env.values() for p in processes.values())
 
 
 def test_every_process_prints_its_python_stacks_on_a_fatal_signal_unless_told_otherwise(tmp_path, monkeypatch):
@@ -228,32 +230,47 @@ def test_the_weight_broadcast_is_one_config_for_trainer_and_orchestrator(tmp_pat
     assert "trainer.weight_broadcast and orchestrator.weight_broadcast disagree" in err
 
 
-def test_every_process_gets_the_run_secret_by_environment_only(tmp_path, monkeypatch, capsys):
-    """One host: `rl` makes a secret and hands it to its processes by the environment (never a file); the servers
-    have no API key, so the orchestrator sends the secret as their token. Several hosts: it must be given."""
+def test_every_process_gets_only_the_keys_it_needs_on_stdin(tmp_path, monkeypatch, capsys):
+    """One host: `rl` makes a secret and derives the run's keys; each process gets what it needs on stdin, none by
+    environment, file or command line: the trainer the store key, the orchestrator and the server the store key and
+    the HTTP token (what the servers take when they have no API key). Several hosts: the secret must be given, and
+    a weak one is refused with the format named (issue 52, finding 5)."""
+    from prime_rl.utils.secret import derive_keys, forget_keys
+
     monkeypatch.delenv(SECRET_VAR, raising=False)
     config = rl_config(tmp_path, "--weight-broadcast.type", "gloo")
-    provide_secret(config)
-    secret = os.environ[SECRET_VAR]
-    assert len(secret) == 64 and config.orchestrator.client.api_key_var == SECRET_VAR
-    processes = build_processes(config, {"orchestrator": config.orchestrator}, tmp_path / "logs", "")
-    assert all(p.env[SECRET_VAR] == secret for p in processes.values())
+    keys = provide_keys(config)
+    assert len(keys.store) == 32 and len(keys.http) == 64 and keys.http != keys.store.hex()
+    assert SECRET_VAR not in os.environ and config.orchestrator.client.api_key_var == API_KEY_VAR
+    processes = build_processes(config, {"orchestrator": config.orchestrator}, tmp_path / "logs", "", keys)
+    assert {role: (p.keys.store, p.keys.http) for role, p in processes.items()} == {
+        "inference": (keys.store, keys.http),
+        "orchestrator": (keys.store, keys.http),
+        "trainer": (keys.store, None),
+    }
+    values = [keys.store.hex(), keys.http]
     written = [p.read_text() for p in (config.output_dir / "configs").rglob("*.toml")]
-    assert written and not any(secret in text for text in written)
-    assert not any(secret in " ".join(p.cmd) for p in processes.values())
+    assert written and not any(v in text for v in values for text in written)
+    assert not any(v in " ".join(p.cmd) or v in str(p.env) for v in values for p in processes.values())
+    filesystem = rl_config(tmp_path)  # weights through the file system: nobody needs the store key
+    processes = build_processes(filesystem, orchestrators(filesystem), tmp_path / "logs", "", keys)
+    assert {p.keys.store for p in processes.values()} == {None}
     # With an API key the orchestrator sends the key; the servers take the key as their token.
     keyed = rl_config(tmp_path, "--inference.server.api-key", "k")
-    assert keyed.orchestrator.client.api_key_var == API_KEY_VAR
+    assert keyed.orchestrator.client.api_key_var == API_KEY_VAR and provide_keys(keyed).http == "k"
 
-    monkeypatch.delenv(SECRET_VAR)
     split = ["--deployment.roles", "[inference]"]
     with pytest.raises(SystemExit) as exit_:
-        provide_secret(rl_config(tmp_path, *split))
+        provide_keys(rl_config(tmp_path, *split))
     assert exit_.value.code == 2 and f"set {SECRET_VAR}" in capsys.readouterr().err
-    monkeypatch.setenv(SECRET_VAR, "short")
-    with pytest.raises(SystemExit):
-        provide_secret(rl_config(tmp_path, *split))
-    assert "at least 16" in capsys.readouterr().err
-    monkeypatch.setenv(SECRET_VAR, "x" * 40)
-    provide_secret(rl_config(tmp_path, *split))
-    assert os.environ[SECRET_VAR] == "x" * 40  # given: kept
+    for weak in ("short", "passwordpassword", "x" * 40, "0123456789abcdef" + "g" * 16, "ab" * 15):
+        monkeypatch.setenv(SECRET_VAR, weak)
+        forget_keys()
+        with pytest.raises(SystemExit) as exit_:
+            provide_keys(rl_config(tmp_path, *split))
+        assert exit_.value.code == 2 and "hexadecimal, at least 32 digits (128 bits)" in capsys.readouterr().err
+    given = "0f" * 16  # 128 bits: the least that is taken
+    monkeypatch.setenv(SECRET_VAR, given)
+    forget_keys()
+    assert provide_keys(rl_config(tmp_path, *split)) == derive_keys(given)
+    assert SECRET_VAR not in os.environ  # taken out of the environment once read

@@ -30,6 +30,7 @@ from prime_rl.inference.weights import (
     safetensors_shapes,
     safetensors_specs,
 )
+from prime_rl.utils.health import DOWN, WEIGHTS_UNKNOWN, health_state
 from prime_rl.utils.net import free_port
 from prime_rl.utils.secret import SECRET_VAR
 
@@ -240,13 +241,37 @@ def test_admin_bodies_get_documented_4xx_with_short_replies(tmp_path):
 def test_streamed_body_over_the_limit_gets_413(tmp_path):
     client, _ = admin_app(tmp_path)
     chunks = (b" " * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))  # no content-length: read until the cap
-    assert client.post("/update_weights", content=chunks).status_code == 413
+    json_type = {"content-type": "application/json"}
+    assert client.post("/update_weights", content=chunks, headers=json_type).status_code == 413
 
 
 def test_admin_key_is_checked_before_the_body(tmp_path):
     client, _ = admin_app(tmp_path, api_key="k")
     assert client.post("/update_weights", content=b"x" * (MAX_BODY_BYTES + 1)).status_code == 401
-    assert client.post("/reload_weights", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.post("/reload_weights", headers={"Authorization": "Bearer k"}, json={}).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_admin_requests_without_a_json_content_type_get_415_and_change_nothing(tmp_path, content_type):
+    """A web page can make a browser POST cross-site without asking first only with these types (a `text/plain` body
+    was parsed as JSON, issue 52 finding 7): every admin route refuses them, even with an empty body, before
+    anything is parsed or paused."""
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    step = make_dir(tmp_path / "step_1", SHAPES)
+    headers = {"content-type": content_type} if content_type else {}
+    bodies = {
+        "/update_weights": json.dumps({"weight_dir": str(step)}),
+        "/reload_weights": "",
+        "/load_lora_adapter": json.dumps({"lora_name": "a", "lora_path": str(step)}),
+        "/unload_lora_adapter": json.dumps({"lora_name": "a"}),
+    }
+    for route, body in bodies.items():
+        r = client.post(route, content=body.encode(), headers=headers)
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    assert engine.calls == [] and swapper.version == "base"
+    r = client.post("/update_weights", content=bodies["/update_weights"], headers={"content-type": "application/json"})
+    assert r.status_code == 200 and swapper.version == "step_1"  # the same body with the type is served
 
 
 def test_the_access_guard_closes_every_route_but_the_public_ones(tmp_path):
@@ -274,17 +299,24 @@ def test_the_access_guard_closes_every_route_but_the_public_ones(tmp_path):
     assert closed.value.code == 1008
 
 
-def test_the_server_token_is_its_api_key_else_the_run_secret(monkeypatch):
+def test_the_server_token_is_its_api_key_else_a_key_derived_from_the_run_secret_never_the_secret(monkeypatch):
+    """A sniffed or handed-out `Authorization` header must not be the master key (issue 52, finding 2)."""
     from argparse import Namespace
+
+    from prime_rl.utils.secret import HTTP_PURPOSE, derive, forget_keys
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.delenv(SECRET_VAR, raising=False)
     assert server_tokens(Namespace(api_key=None)) == []
-    monkeypatch.setenv(SECRET_VAR, "s" * 32)
-    assert server_tokens(Namespace(api_key=None)) == ["s" * 32]
+    secret = "5a" * 32
+    monkeypatch.setenv(SECRET_VAR, secret)
+    forget_keys()
+    (token,) = server_tokens(Namespace(api_key=None))
+    assert token == derive(secret, HTTP_PURPOSE).hex() and secret not in token
     assert server_tokens(Namespace(api_key=["k1", "k2"])) == ["k1", "k2"]  # the API key wins: one rule
-    monkeypatch.setenv(SECRET_VAR, "short")
-    with pytest.raises(ValueError, match="at least 16"):
+    monkeypatch.setenv(SECRET_VAR, "s" * 32)  # 128 bits' length, but no hex: refused, the format named
+    forget_keys()
+    with pytest.raises(ValueError, match="hexadecimal, at least 32 digits"):
         server_tokens(Namespace(api_key=None))
 
 
@@ -340,9 +372,12 @@ def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_pat
     engine.failing = {str(bad), str(good)}
     r = client.post("/update_weights", json={"weight_dir": str(bad)})
     assert r.status_code == 503, r.text
-    health = client.get("/health")
-    assert health.status_code == 503 and health.json()["status"] == "weights_unknown"
-    assert health.json()["error"]["code"] == 503 and "restoring good" in health.json()["error"]["message"]
+    health = client.get("/health")  # public: it says only that it does not serve
+    assert health.status_code == 503 and health.json() == {"error": {"message": "not serving", "code": 503}}
+    assert str(tmp_path) not in health.text and "restoring" not in health.text  # no path, no exception text
+    weights = client.get("/weights")  # the reason is for the token's holders
+    assert weights.status_code == 200 and "restoring good" in weights.json()["unknown"] and str(good) in weights.text
+    assert health_state(health, weights) == WEIGHTS_UNKNOWN and health_state(health) == DOWN
     assert client.post("/v1/completions").status_code == 503 and engine.paused
     # The engine's label says so too: a token generated now would not be credited to the good weights.
     assert engine.calls[-2:] == [("prime_load_weights", str(good)), ("version", "weights_unknown")]
@@ -352,9 +387,10 @@ def test_failed_restore_makes_the_server_unhealthy_until_a_load_succeeds(tmp_pat
     assert engine.calls[calls:] == [("prime_load_weights", str(bad)), ("version", "weights_unknown")]
 
     # A successful load heals: new weights, their label, generation resumed.
-    r = client.post("/reload_weights")
+    r = client.post("/reload_weights", json={})
     assert r.status_code == 200 and r.json()["version"] == "base"
     assert engine.calls[-2:] == [("prime_load_weights", str(base_ok)), ("version", "base")]
+    assert client.get("/weights").json()["unknown"] is None
     assert client.get("/health").status_code == 200 and client.post("/v1/completions").json() == {"ok": 1}
     assert not engine.paused and swapper.unknown is None
 
@@ -407,8 +443,8 @@ def test_a_broadcast_checks_the_server_setup_the_ranks_and_the_trainer_session_b
     client, _ = admin_app(tmp_path / "c", engine, broadcast=closed)
     r = client.post("/update_weights", json={"broadcast": spec})
     assert r.status_code == 502 and "did not answer" in r.json()["error"]["message"]
-    os.environ[SECRET_VAR] = "another-secret-" + "0" * 20  # monkeypatched by the fixture: restored after the test
-    client, _ = admin_app(tmp_path / "d", engine, broadcast=trainer_store.settings)
+    another_key = {**trainer_store.settings, "key": bytes(32).hex()}  # a server given another run's store key
+    client, _ = admin_app(tmp_path / "d", engine, broadcast=another_key)
     r = client.post("/update_weights", json={"broadcast": spec})
     assert r.status_code == 502 and "refused our run secret" in r.json()["error"]["message"]
     assert engine.calls == [] and not engine.paused
@@ -417,7 +453,7 @@ def test_a_broadcast_checks_the_server_setup_the_ranks_and_the_trainer_session_b
 def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_broadcast(tmp_path, trainer_store):
     engine = FakeEngine()
     client, swapper = admin_app(tmp_path, engine, broadcast=trainer_store.settings)
-    base = {"version": "base", "source": str(swapper.base_dir), "workers": 1, "adapters": {}}
+    base = {"version": "base", "source": str(swapper.base_dir), "workers": 1, "adapters": {}, "unknown": None}
     assert client.get("/weights").json() == base
     spec = {**BROADCAST, "session": trainer_store.session}
 
@@ -444,9 +480,10 @@ def test_broadcast_state_machine_labels_refuses_and_cannot_restore_what_came_by_
     engine.receive, engine.load_error = {"step": 4}, RuntimeError("Connection reset by peer")
     r = client.post("/update_weights", json={"broadcast": {**spec, "group": "56" * 16}})
     assert r.status_code == 503 and "came by broadcast and cannot be read again" in r.json()["error"]["message"]
-    assert client.get("/health").json()["status"] == "weights_unknown" and engine.paused
+    assert client.get("/health").status_code == 503 and engine.paused
     assert client.get("/weights").json()["source"] is None
-    assert client.post("/reload_weights").status_code == 200 and not engine.paused
+    assert "came by broadcast" in client.get("/weights").json()["unknown"]
+    assert client.post("/reload_weights", json={}).status_code == 200 and not engine.paused
 
 
 def test_weights_unknown_gate_ignores_lifespan_and_missing_state():

@@ -33,6 +33,7 @@ from prime_rl.inference.adapter_checks import ADAPTER_CONFIG
 from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.secret import take_keys_at_start
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -348,6 +349,7 @@ async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, res
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_keys_at_start("eval")  # no run secret reaches the environments this process runs (`utils.secret`)
     config, _ = load_config(EvalConfig, "eval", argv)
     setup_logging("eval", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "eval")

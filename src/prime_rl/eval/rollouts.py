@@ -31,12 +31,12 @@ from prime_rl.orchestrator.patches import (
     close_pooled_clients,
     install_speed_patches,
 )
-from prime_rl.orchestrator.worker import Worker
+from prime_rl.orchestrator.worker import Worker, hold_token
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.gc_tuning import freeze_setup_objects
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.processes import Process, SigtermCancels, stop_all
-from prime_rl.utils.secret import SECRET_VAR
+from prime_rl.utils.secret import KEY_VARS, RunKeys, new_secret
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -164,15 +164,19 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     inference.output_dir = config.output_dir
     launch_dir = config.output_dir / "configs" / name
     cfg = launch_dir / "inference.toml"
-    write_atomic(cfg, to_toml(inference).encode())
-    # This server takes part in no run's weight transfer: a run secret in our environment would only become its token.
-    env = {k: v for k, v in os.environ.items() if k != SECRET_VAR}
-    if inference.server.api_key is not None:
-        env["PRIME_SERVER__API_KEY"] = inference.server.api_key.get_secret_value()
-        env[config.client.api_key_var] = inference.server.api_key.get_secret_value()
+    keyless = inference.model_copy(update={"server": inference.server.model_copy(update={"api_key": None})})
+    write_atomic(cfg, to_toml(keyless).encode())  # the file would hold the key masked, and a file value beats stdin
+    # Its token: the configured API key, else a fresh random one (loopback is no boundary: any local user, or a web
+    # page's cross-site request, could otherwise swap its weights). It goes on the server's stdin and into this
+    # process's memory; the server takes part in no run's weight transfer, so it gets no store key.
+    key = inference.server.api_key
+    token = key.get_secret_value() if key is not None else new_secret()
+    hold_token(config.client.api_key_var, token)
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARS}
     log_dir = config.output_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out")
+    keys = RunKeys(http=token)
+    server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out", keys)
     server.start()
     url = config.client.base_url[0].removesuffix("/v1")
     logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")

@@ -23,6 +23,7 @@ from prime_rl.eval.rollouts import Job, plan_jobs, rollout_worker, run_jobs, ser
 from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.secret import take_keys_at_start
 
 
 def sft_row(job: Job, result: RolloutResult) -> dict:
@@ -74,6 +75,7 @@ async def synthesize(config: SynthesizeConfig, jobs: list[Job]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_keys_at_start("synthesize")  # no run secret reaches the environments this process runs (`utils.secret`)
     config, _ = load_config(SynthesizeConfig, "synthesize", argv)
     setup_logging("synthesize", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "synthesize")

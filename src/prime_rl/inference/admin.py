@@ -34,8 +34,7 @@ from prime_rl.inference.swapper import (
     WeightSwapper,
 )
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip
-from prime_rl.weight_broadcast.client import StoreClient
-from prime_rl.weight_broadcast.protocol import MAX_MEMBERS, read_session
+from prime_rl.weight_broadcast.protocol import MAX_MEMBERS
 from prime_rl.weight_broadcast.wire import StoreAuthError, StoreError
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"
@@ -132,7 +131,7 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
             422, f"ranks {spec.rank}..{last} of this server's {swapper.workers} worker(s) exceed world_size"
         )
     try:
-        session = await asyncio.to_thread(current_session, settings)
+        session = await asyncio.to_thread(swapper.trainer_store.session)
     except StoreAuthError as e:
         return error_response(502, f"cannot use the trainer's weight-broadcast store: {clip(e, 500)}")
     except (StoreError, ValueError) as e:
@@ -154,15 +153,6 @@ async def _receive(swapper: WeightSwapper, spec: BroadcastSpec, version: str | N
         return error_response(500, f"receiving the broadcast failed ({clip(e)}); still serving {swapper.version}")
     step = int(version.removeprefix("step_")) if version.removeprefix("step_").isdigit() else None
     return JSONResponse({"status": "ok", "version": version, "step": step, "seconds": round(seconds, 4)})
-
-
-def current_session(settings: dict) -> str:
-    """The session id the trainer's store names (a short authenticated connection; bounded by the timeout)."""
-    store = StoreClient(settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"])
-    try:
-        return read_session(store, min(settings["timeout"], 5.0))["id"]
-    finally:
-        store.close()
 
 
 router = APIRouter()
@@ -230,11 +220,18 @@ async def unload_lora_adapter(request: Request) -> JSONResponse:
 
 @router.get("/weights")
 async def weights(request: Request) -> JSONResponse:
-    """What is served: its version, where it came from, how many workers a broadcast group needs for us, and the
-    version of each loaded adapter."""
+    """What is served: its version, where it came from, how many workers a broadcast group needs for us, the version
+    of each loaded adapter, and why nothing is served when a failed load left the weights unknown (`unknown`; null
+    while they are known): what the public `/health` does not say."""
     swapper: WeightSwapper = request.app.state.prime_swapper
     source = None if swapper.unknown else (str(swapper.current_dir) if swapper.current_dir else "broadcast")
     adapters: Adapters = request.app.state.prime_adapters
     return JSONResponse(
-        {"version": swapper.version, "source": source, "workers": swapper.workers, "adapters": adapters.versions()}
+        {
+            "version": swapper.version,
+            "source": source,
+            "workers": swapper.workers,
+            "adapters": adapters.versions(),
+            "unknown": swapper.unknown,
+        }
     )

@@ -68,10 +68,21 @@ def validation_message(e: ValidationError, count: int = 5) -> str:
     return f"invalid request: {'; '.join(problems)}{more}"
 
 
+def check_json_content_type(request: Request) -> None:
+    """Admin requests must say `Content-Type: application/json`, even with an empty body: a web page can make a
+    browser send a cross-site POST without asking first only with a form's or text's type, so this refuses every
+    request a browser was tricked into sending (415)."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = clip(media_type, 60) if media_type else "none"
+        raise BodyError(415, f"admin requests need Content-Type: application/json (got {shown})")
+
+
 async def parse_request(request: Request, model: type[BaseModel], empty_ok: bool = False) -> BaseModel | JSONResponse:
     """Read, parse and validate an admin request (`AccessGuard` has checked the token); a JSONResponse is the error
     reply."""
     try:
+        check_json_content_type(request)
         body = parse_json_object(await read_body(request), empty_ok=empty_ok)
     except BodyError as e:
         return error_response(e.status, e.message)

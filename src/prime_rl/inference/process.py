@@ -11,6 +11,7 @@ from pathlib import Path
 from prime_rl.utils.health import wait_healthy
 from prime_rl.utils.net import free_port
 from prime_rl.utils.processes import Process, stop_all
+from prime_rl.utils.secret import RunKeys
 
 INFERENCE = str(Path(sys.executable).parent / "inference")
 
@@ -35,10 +36,9 @@ class InferenceServer(Process):
         self.output_dir = Path(output_dir)
         cmd = [INFERENCE, "--model.name", str(model_dir), "--output-dir", str(output_dir)]
         cmd += ["--server.port", str(self.port), *self.extra]
-        if api_key:
-            cmd += ["--server.api-key", api_key]
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        super().__init__("inference", cmd, {**os.environ, **(env or {})}, self.output_dir / log_name)
+        keys = RunKeys(http=api_key) if api_key else None  # on its stdin: a command line is visible to every user
+        super().__init__("inference", cmd, {**os.environ, **(env or {})}, self.output_dir / log_name, keys)
         self.started = time.perf_counter()
         self.start()
         self.startup_seconds: float | None = None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from prime_rl.inference.http_io import error_response
+from prime_rl.inference.trainer_store import TrainerStore
 from prime_rl.inference.weights import clip, safetensors_specs
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 BASE_VERSION = "base"
 WEIGHTS_UNKNOWN = "weights_unknown"
-"""`/health` status, and the engine's weight-version label, while a failed load could not be undone (`WeightSwapper`)."""
+"""The engine's weight-version label while a failed load could not be undone (`WeightSwapper`)."""
 GATED_PREFIXES = ("/v1/", "/inference/")
 
 
@@ -52,7 +53,8 @@ class WeightSwapper:
         self.base_dir = base_dir
         self.roots = roots
         self.broadcast = broadcast
-        """The server's `weight_broadcast` settings (type, host, port, timeout); None: it receives no broadcasts."""
+        """The server's `weight_broadcast` settings (type, host, port, timeout, key); None: it receives none."""
+        self.trainer_store = TrainerStore(broadcast) if broadcast is not None else None
         self.expected = safetensors_specs(base_dir)
         self.current_dir: Path | None = base_dir
         """Where the served weights can be read again; None when they came by broadcast."""
@@ -152,7 +154,8 @@ class WeightSwapper:
 class WeightsUnknownGate:
     """Pure-ASGI middleware: while `WeightSwapper.unknown` is set, `/health` and the generation routes
     (`/v1/...`, `/inference/...`) answer 503, so the orchestrator sees the server as down and recovers it;
-    the admin routes stay open for that."""
+    the admin routes stay open for that. The public `/health` says only that it does not serve: the reason (paths,
+    exception text) is for the token's holders (`GET /weights`, and the generation routes' 503, which need it)."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -164,7 +167,7 @@ class WeightsUnknownGate:
             message = f"the served weights are unknown: {reason}; a successful /update_weights or /reload_weights heals"
             path = scope["path"]
             if path == "/health":
-                await error_response(503, message, status=WEIGHTS_UNKNOWN)(scope, receive, send)
+                await error_response(503, "not serving")(scope, receive, send)
                 return
             if path.startswith(GATED_PREFIXES):
                 await error_response(503, message)(scope, receive, send)

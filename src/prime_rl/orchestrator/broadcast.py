@@ -9,6 +9,7 @@ while its members stay the same; any change of members, or any failure, starts a
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,7 @@ class BroadcastClient:
         self.last_served: dict | None = None
         """The trainer's report of the last transfer ({"step", "error"})."""
         self.next_connect = 0.0
+        self.connect_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -70,11 +72,15 @@ class BroadcastClient:
 
     def _connected(self) -> bool:
         """Connect once the trainer is up (looked for once a second). A store that answers without our run secret
-        is an error: waiting would never help."""
+        is an error: waiting would never help. Called in threads (`asyncio.to_thread`): one connects at a time."""
+        with self.connect_lock:
+            return self._connect()
+
+    def _connect(self) -> bool:
         if self.store is None and time.monotonic() >= self.next_connect:
             self.next_connect = time.monotonic() + 1.0
             try:
-                # A short connect: this runs on the event loop, once a second until the trainer is up.
+                # A short connect (callers run this in a thread), once a second until the trainer is up.
                 store = StoreClient(self.config.host, self.config.port, self.key, self.config.timeout, 1.0)
             except StoreAuthError:
                 raise

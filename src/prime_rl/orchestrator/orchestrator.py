@@ -43,7 +43,7 @@ from prime_rl.utils.logging import setup_logging
 from prime_rl.utils.loop_lag import LoopLagMonitor
 from prime_rl.utils.monitor import Monitor
 from prime_rl.utils.processes import SigtermCancels
-from prime_rl.utils.secret import take_keys
+from prime_rl.utils.secret import take_keys_at_start
 
 SAMPLE_ROWS = 8
 """Rollouts in the samples table of the log extras."""
@@ -372,7 +372,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    take_keys()  # first: nothing this process starts may inherit the secret (`utils.secret`)
+    take_keys_at_start("orchestrator")  # first: nothing this process starts may inherit the secret (`utils.secret`)
     config, _ = load_config(OrchestratorConfig, "orchestrator", argv)
     setup_logging("orchestrator", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     try:

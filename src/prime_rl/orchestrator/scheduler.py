@@ -228,7 +228,7 @@ class Scheduler:
     async def ensure_policy(self, batch: int) -> None:
         """Barrier: the servers serve at least `pi_{batch-1-k}`; load anything newer that is published."""
         needed = min_policy_for(batch, self.k)
-        latest = self.servers.latest_published()  # a directory listing, and a store request for a broadcast
+        latest = await self.servers.latest_published()  # a directory listing, and a store request for a broadcast
         if self.servers.version < needed and latest < needed:
             latest = await self._wait_for(needed, f"batch {batch} needs policy step {needed} (k={self.k})")
         if latest > self.servers.version:
@@ -238,7 +238,7 @@ class Scheduler:
         """Until the trainer published `step` or newer; returns the newest published step."""
         logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
-        while (latest := self.servers.latest_published()) < step:
+        while (latest := await self.servers.latest_published()) < step:
             await asyncio.sleep(self.weights_poll)
             self._check_fatal()
             now = time.monotonic()

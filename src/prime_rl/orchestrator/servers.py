@@ -146,9 +146,9 @@ class InferenceServers:
         """What requests name as `model` to be served `pi_step`: our adapter from step 1 on, else the base model."""
         return self.adapter if self.adapter is not None and step > 0 else base
 
-    def _from_trainer(self, step: int) -> bool:
+    async def _from_trainer(self, step: int) -> bool:
         """Whether `pi_step` (or newer) comes by broadcast: the trainer holds it and it is not only on disk."""
-        return step > 0 and self.broadcast is not None and self.broadcast.published() >= step
+        return step > 0 and self.broadcast is not None and await asyncio.to_thread(self.broadcast.published) >= step
 
     async def _broadcast_to(self, urls: list[str]) -> list[tuple[str, BaseException | None]]:
         """One transfer of the trainer's current policy to `urls`; sets `version` to its step. Each server's outcome
@@ -185,7 +185,7 @@ class InferenceServers:
         async with self.lock:
             start = time.perf_counter()
             urls = self.healthy()
-            if self._from_trainer(step):
+            if await self._from_trainer(step):
                 outcomes = await self._broadcast_to(urls)
             else:
                 outcomes = await self._load_all(urls, step)
@@ -247,7 +247,7 @@ class InferenceServers:
         else:
             # The trainer pruned the policy the others serve (it keeps only what inference may still need): every
             # server moves to the newest policy, which the async level allows (newer is never too old).
-            newest = self.latest_published()
+            newest = await self.latest_published()
             logger.warning(f"policy step {self.version} is gone from disk; moving every server to step {newest}")
             outcomes = await self._load_all([*self.healthy(), url], newest)
             self.version = newest
@@ -264,13 +264,14 @@ class InferenceServers:
                 raise result
             self.mark_failed(url, f"weight swap to policy step {self.version} failed: {result!r}")
 
-    def latest_published(self) -> int:
+    async def latest_published(self) -> int:
         """Newest policy step the trainer published: on disk (`broadcasts/step_n/STABLE`), or held by the trainer for
-        a broadcast (0 if none)."""
+        a broadcast (0 if none). The store's calls (and connecting to it) run in a thread: however the trainer's
+        store answers, the event loop goes on."""
         steps = [
             int(p.parent.name.removeprefix("step_")) for p in (self.output_dir / "broadcasts").glob("step_*/STABLE")
         ]
-        in_memory = self.broadcast.published() if self.broadcast is not None else 0
+        in_memory = await asyncio.to_thread(self.broadcast.published) if self.broadcast is not None else 0
         return max(steps + [in_memory], default=0)
 
     def where(self, step: int) -> str:

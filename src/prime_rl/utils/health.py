@@ -1,8 +1,9 @@
 """Waiting for inference servers to be healthy: the one polling loop every launcher, test and the orchestrator use.
 
-`GET /health` answers 200 when the server serves. Our plugin answers 503 with `{"status": "weights_unknown"}` when
-a failed weight swap could not restore the previous weights: the server is up but must be given weights again
-before it may serve (the orchestrator's recovery does that, so it waits for either state).
+`GET /health` answers 200 when the server serves and 503 when it does not, and says no more: it is public. Why it
+does not serve is behind the server's token: `GET /weights` names the reason when a failed weight swap could not
+restore the previous weights (`unknown`). Such a server is up but must be given weights again before it may serve
+(the orchestrator's recovery does that, so it waits for either state; its client holds the token).
 """
 
 from __future__ import annotations
@@ -16,24 +17,27 @@ from loguru import logger
 HEALTHY, WEIGHTS_UNKNOWN, DOWN = "healthy", "weights_unknown", "down"
 
 
-def health_state(response: httpx.Response | None) -> str:
-    """What one `/health` answer (None: no answer) says about the server."""
+def health_state(response: httpx.Response | None, weights: httpx.Response | None = None) -> str:
+    """What one `/health` answer (None: no answer) says about the server; `weights`: its `GET /weights` answer after
+    a 503, which only a client holding the token gets."""
     if response is None:
         return DOWN
     if response.status_code == 200:
         return HEALTHY
-    if response.status_code == 503:
+    if response.status_code == 503 and weights is not None and weights.status_code == 200:
         try:
-            if response.json().get("status") == WEIGHTS_UNKNOWN:
+            if weights.json().get("unknown"):
                 return WEIGHTS_UNKNOWN
-        except ValueError:
+        except (ValueError, AttributeError):
             pass
     return DOWN
 
 
 async def probe(client: httpx.AsyncClient, url: str) -> str:
     try:
-        return health_state(await client.get(f"{url}/health", timeout=5))
+        health = await client.get(f"{url}/health", timeout=5)
+        weights = await client.get(f"{url}/weights", timeout=5) if health.status_code == 503 else None
+        return health_state(health, weights)
     except httpx.HTTPError:
         return DOWN
 

@@ -107,8 +107,8 @@ _taken: RunKeys | None = None
 
 
 def take_keys() -> RunKeys:
-    """This process's keys, read once: from stdin where the launcher put them there (`KEYS_VAR`), else derived from
-    `PRIME_RL_SECRET`; none without either. Either variable is removed from the environment, so nothing this process
+    """This process's keys, read once: from stdin where the launcher put them there (`KEYS_VAR`), and derived from
+    `PRIME_RL_SECRET` where it is set (the stdin ones win); none without either. Either variable is removed from the environment, so nothing this process
     starts inherits them. A trainer rank other than global rank 0 reads nothing (the ranks of a node share torchrun's
     stdin; only rank 0 hosts the store)."""
     global _taken
@@ -122,10 +122,19 @@ def take_keys() -> RunKeys:
     secret = os.environ.pop(SECRET_VAR, "")
     if secret:
         wipe_initial_environment(SECRET_VAR)
-        if keys == RunKeys():
-            keys = derive_keys(secret)
+        derived = derive_keys(secret)  # fills in what the launcher did not give
+        keys = RunKeys(keys.store or derived.store, keys.http or derived.http)
     _taken = keys
     return keys
+
+
+def take_keys_at_start(prog: str) -> RunKeys:
+    """`take_keys` as an entry point's first step: a malformed secret or keys line ends it with one line, exit 2."""
+    try:
+        return take_keys()
+    except SecretError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def forget_keys() -> None:

@@ -45,9 +45,11 @@ from prime_rl.trainer.scaffold import (
 from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
+from prime_rl.utils.secret import take_keys_at_start
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_keys_at_start("trainer")  # first: nothing this process starts may inherit the secret (`utils.secret`)
     config, _ = load_config(TrainerConfig, "trainer", argv)
     with trainer_process("trainer", config, BATCH_ERRORS) as (world, monitor):
         if config.model.lora is not None:
