@@ -10,7 +10,7 @@ import torch
 from fake_engine import BASE_NAME, LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
 
 from prime_rl.inference import weights
-from prime_rl.inference.adapter_checks import check_adapter_dir
+from prime_rl.inference.adapter_checks import CONFIG_KEYS, check_adapter_dir
 from prime_rl.inference.http_io import MAX_BODY_BYTES
 from prime_rl.inference.weights import TensorSpec, WeightDirError
 
@@ -54,11 +54,11 @@ def test_adapter_dir_checks(tmp_path):
             root / "bias_tensor", {**lora_tensors(), "base_model.model.layers.0.q_proj.lora_B.bias": torch.zeros(6)}
         ),
         "are not floats": write_adapter(root / "ints", {k: v.to(torch.int32) for k, v in lora_tensors().items()}),
-        'peft_type="IA3"': write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
-        "use_dora=true (vLLM takes false or unset, as it does not support DoRA)": write_adapter(
+        "peft_type as a string (vLLM takes 'LORA')": write_adapter(root / "ia3", lora_tensors(), peft_type="IA3"),
+        "use_dora as a boolean (vLLM takes false or unset, as it does not support DoRA)": write_adapter(
             root / "dora", lora_tensors(), use_dora=True
         ),
-        'bias="all"': write_adapter(root / "bias", lora_tensors(), bias="all"),
+        "bias as a string (vLLM takes 'none')": write_adapter(root / "bias", lora_tensors(), bias="all"),
     }
     for needle, path in cases.items():
         e = refusal(path, [root])
@@ -108,42 +108,66 @@ def with_config(root, name: str, changes: dict):
 REFUSED_CONFIGS = [  # (changes, what the 422 says): values vLLM's PEFTHelper fails on (a 500 from its worker)
     ({"lora_alpha": REMOVED}, "has no lora_alpha (required: peft_type, r, lora_alpha, target_modules)"),
     ({"target_modules": REMOVED, "r": REMOVED}, "has no r, target_modules"),
-    ({"lora_alpha": "4"}, 'lora_alpha="4" (vLLM takes a finite number)'),
-    ({"lora_alpha": None}, "lora_alpha=null"),
-    ({"lora_alpha": [4]}, "lora_alpha=[4]"),
-    ({"lora_alpha": 10**400}, "lora_alpha=1000000000"),  # overflows vLLM's alpha / r
-    ({"lora_alpha": float("inf")}, "lora_alpha=Infinity"),  # vLLM would serve NaN
-    ({"lora_alpha": float("nan")}, "lora_alpha=NaN"),
-    ({"use_qalora": True}, "use_qalora=true (vLLM takes false or unset, as it does not support QALoRA)"),
-    ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "use_bdlora={"),
+    ({"lora_alpha": "4"}, "lora_alpha as a string (vLLM takes a finite number)"),
+    ({"lora_alpha": None}, "lora_alpha as null"),
+    ({"lora_alpha": [4]}, "lora_alpha as an array"),
+    ({"lora_alpha": 10**400}, "lora_alpha as an integer"),  # overflows vLLM's alpha / r
+    ({"lora_alpha": float("inf")}, "lora_alpha as a number (vLLM takes a finite number)"),  # vLLM would serve NaN
+    ({"lora_alpha": float("nan")}, "lora_alpha as a number"),
+    ({"use_qalora": True}, "use_qalora as a boolean (vLLM takes false or unset, as it does not support QALoRA)"),
+    ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "use_bdlora as an object"),
     ({"use_bdlora": True}, "does not support block-diagonal LoRA"),
-    ({"init_lora_weights": "pissa"}, 'init_lora_weights="pissa" (vLLM takes true, false or one of gaussian'),
-    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights="),
-    ({"init_lora_weights": "OLoRA"}, "init_lora_weights="),
-    ({"init_lora_weights": "corda"}, "init_lora_weights="),
-    ({"init_lora_weights": "loftq"}, "init_lora_weights="),
-    ({"init_lora_weights": "true"}, 'init_lora_weights="true"'),  # a string: vLLM refuses it too
+    ({"init_lora_weights": "pissa"}, "init_lora_weights as a string (vLLM takes true, false or one of gaussian"),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights as a string"),
+    ({"init_lora_weights": "OLoRA"}, "init_lora_weights as a string"),
+    ({"init_lora_weights": "corda"}, "init_lora_weights as a string"),
+    ({"init_lora_weights": "loftq"}, "init_lora_weights as a string"),
+    ({"init_lora_weights": "true"}, "init_lora_weights as a string"),  # a string: vLLM refuses it too
     ({"alora_invocation_tokens": [1, 2]}, "Activated LoRA"),
     ({"layer_replication": [[0, 1]]}, "layer replication"),
     ({"lora_bias": True}, "LoRA biases"),
     ({"modules_to_save": ["lm_head"]}, "full modules"),
-    ({"bias": None}, "bias=null"),
-    ({"use_rslora": "false"}, 'use_rslora="false" (vLLM takes true or false)'),  # vLLM would read it as true
-    ({"rank_pattern": ["q_proj"]}, 'rank_pattern=["q_proj"] (vLLM takes an object of regexes to positive integers)'),
-    ({"rank_pattern": {"q_proj": "2"}}, 'rank_pattern={"q_proj": "2"}'),
-    ({"rank_pattern": {"q_proj": 0}}, 'rank_pattern={"q_proj": 0}'),
-    ({"alpha_pattern": ["q_proj"]}, 'alpha_pattern=["q_proj"] (vLLM takes an object of regexes to finite numbers)'),
-    ({"alpha_pattern": {"q_proj": "4"}}, 'alpha_pattern={"q_proj": "4"}'),
-    ({"alpha_pattern": {"q_proj": None}}, 'alpha_pattern={"q_proj": null}'),  # vLLM: lora_alpha; PEFT: fails
-    # The patterns as vLLM compiles them, `(.*\.)?(<key>)$` with the `regex` module:
-    ({"rank_pattern": {"q_proj(": 2}}, 'rank_pattern "q_proj(", which is not a valid regex'),
-    ({"rank_pattern": {")": 2}}, 'rank_pattern ")", which is not a valid regex'),
-    ({"alpha_pattern": {"[q": 2}}, 'alpha_pattern "[q", which is not a valid regex'),
-    ({"alpha_pattern": {"(?<x>q)(?P=y)": 2}}, "which is not a valid regex"),
+    ({"bias": None}, "bias as null"),
+    ({"use_rslora": "false"}, "use_rslora as a string (vLLM takes true or false)"),  # vLLM would read it as true
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern as an array (vLLM takes an object of regexes to positive integers)"),
+    ({"rank_pattern": {"q_proj": "2"}}, "rank_pattern as an object (vLLM takes an object of regexes to positive"),
+    ({"rank_pattern": {"q_proj": 0}}, "rank_pattern as an object"),
+    ({"alpha_pattern": ["q_proj"]}, "alpha_pattern as an array (vLLM takes an object of regexes to finite numbers)"),
+    ({"alpha_pattern": {"q_proj": "4"}}, "alpha_pattern as an object"),
+    ({"alpha_pattern": {"q_proj": None}}, "alpha_pattern as an object"),  # vLLM: lora_alpha; PEFT: fails
+    # The patterns as vLLM compiles them, `(.*\.)?(<key>)$` with the `regex` module, named by their place:
+    ({"rank_pattern": {"q_proj(": 2}}, "has a rank_pattern key (1 of 1) that is not a valid regex"),
+    ({"rank_pattern": {"q_proj": 2, ")": 2}}, "has a rank_pattern key (2 of 2) that is not a valid regex"),
+    ({"alpha_pattern": {"[q": 2}}, "has a alpha_pattern key (1 of 1) that is not a valid regex"),
+    ({"alpha_pattern": {"(?<x>q)(?P=y)": 2}}, "that is not a valid regex"),
+    ({"alpha_pattern": {"\\N{secret-name}": 2}}, "that is not a valid regex"),  # regex's message quotes the name
     # vLLM matches them in the engine with no limit: hours of backtracking, all of the machine's memory.
-    ({"alpha_pattern": {"(.|.|.|.)*(?=X)": 2}}, 'alpha_pattern "(.|.|.|.)*(?=X)", which takes over 1.0s to match'),
-    ({"rank_pattern": {"(?:a{10000}){1000}": 2}}, "which takes over 1024 MiB to compile"),
+    ({"alpha_pattern": {"(.|.|.|.)*(?=X)": 2}}, "has a alpha_pattern key (1 of 1) that takes over 1.0s to match"),
+    ({"rank_pattern": {"(?:a{10000}){1000}": 2}}, "that takes over 1024 MiB to compile"),
 ]
+
+
+def quoted(changes: dict) -> list[str]:
+    """The strings a refusal of `changes` must not quote: every string value and key, as JSON, and as is where it is
+    distinctive (")" occurs in any message, "true" in what is accepted)."""
+    accepted = " ".join(text for _, text in CONFIG_KEYS.values()).lower()
+    found = []
+
+    def walk(value):
+        if isinstance(value, str):
+            found.append(json.dumps(value))
+            if len(value) > 3 and value.lower() not in accepted:
+                found.append(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(key)
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk({key: value for key, value in changes.items() if value is not REMOVED})
+    return [text for text in found if text not in {json.dumps(key) for key in changes} and text not in changes]
 
 
 def test_config_values_vllm_fails_on_get_422_naming_the_key(tmp_path):
@@ -152,12 +176,15 @@ def test_config_values_vllm_fails_on_get_422_naming_the_key(tmp_path):
     for i, (changes, needle) in enumerate(REFUSED_CONFIGS):
         e = refusal(with_config(root, f"case_{i}", changes), [root])
         assert e.status == 422 and needle in e.message, (changes, e.message)
-    # A long value is clipped; every refused key is named.
+        # The file's values are never quoted back (they used to be, up to 80 characters each).
+        assert not [text for text in quoted(changes) if text in e.message], (changes, e.message)
+    # Every refused key is named, none of the values.
     e = refusal(
         with_config(root, "long", {"lora_alpha": "x" * 5000, "use_qalora": 1, "init_lora_weights": "a" * 999}), [root]
     )
-    assert "lora_alpha=" in e.message and "use_qalora=1" in e.message and "init_lora_weights=" in e.message
-    assert "x" * 100 not in e.message and "a" * 100 not in e.message
+    assert "lora_alpha as a string" in e.message and "use_qalora as an integer" in e.message
+    assert "init_lora_weights as a string" in e.message
+    assert "xx" not in e.message and "aa" not in e.message
 
 
 ACCEPTED_CONFIGS = [  # what vLLM serves (as PEFT computes it)
@@ -230,9 +257,11 @@ def test_adapter_files_must_resolve_inside_the_roots(tmp_path):
     (fifo / "adapter_model.safetensors").unlink()
     os.mkfifo(fifo / "adapter_model.safetensors")
     assert "has no adapter_model.safetensors" in refusal(fifo, [root]).message
-    # The same outside files copied inside the roots are judged by their contents, which are then theirs to show.
+    # The same outside files copied inside the roots are judged by their contents, which are not quoted either (the
+    # value used to be echoed: a hard link passed for a file inside the roots, see the hard-link test below).
     copied = write_adapter(root / "copied", lora_tensors(), peft_type=SECRET)
-    assert SECRET in refusal(copied, [root]).message
+    e = refusal(copied, [root])
+    assert e.status == 422 and "peft_type as a string" in e.message and SECRET not in e.message
 
 
 def test_a_link_swapped_in_after_the_path_was_resolved_is_caught(tmp_path, monkeypatch):
@@ -418,7 +447,7 @@ def test_bad_adapter_requests_get_documented_4xx_and_change_nothing(tmp_path):
     ]
     for body, headers, status in cases:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = client.post("/load_lora_adapter", content=content, headers=headers)
+        r = client.post("/load_lora_adapter", content=content, headers={"Content-Type": "application/json", **headers})
         assert r.status_code == status, (body if isinstance(body, dict) else body[:40], r.text[:300])
         assert r.json()["error"]["code"] == status and len(r.content) < 1000
     assert client.post("/unload_lora_adapter", json={"lora_name": "a"}, headers=key).status_code == 404
@@ -437,3 +466,93 @@ def test_a_server_without_lora_answers_409(tmp_path):
         r = client.post(route, json=body)
         assert r.status_code == 409 and "not enabled on this server" in r.json()["error"]["message"], r.text
     assert client.get("/weights").json()["adapters"] == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_adapters_with_non_finite_values_are_refused_naming_the_tensor(tmp_path, dtype):
+    """A NaN adapter loaded (200) and served NaN, and its requests' NaN activations reached the next requests of
+    other adapters and of the base model (issue 52, finding 11). The check now reads the adapter's data: a NaN or an
+    infinity anywhere is a 422 naming the tensor (clipped), never a value; finite values, however large, pass (what
+    they do to activations is the engine guard's, `finite_kv`)."""
+    root = tmp_path / "run"
+    a_name, b_name = "base_model.model.layers.0.q_proj.lora_A.weight", "base_model.model.layers.0.q_proj.lora_B.weight"
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensors = {k: v.to(dtype) for k, v in lora_tensors().items()}
+        tensors[b_name][3, 1] = bad
+        e = refusal(write_adapter(root / f"{bad}-{dtype}", tensors), [root])
+        assert e.status == 422 and f"non-finite values (NaN or inf) in tensor {b_name}" in e.message, e.message
+        assert a_name not in e.message
+    huge = {k: v.to(dtype) * torch.finfo(dtype).max for k, v in lora_tensors(fill=1.0).items()}
+    path = write_adapter(root / f"huge-{dtype}", huge)
+    assert check_adapter_dir(str(path), [root], BASE, 8, MODULES) == path.resolve()
+
+
+def test_a_non_finite_tensor_s_long_name_is_clipped(tmp_path):
+    """The name comes from the caller's file: it is clipped like any echoed name (an extra tensor is refused by its
+    name first, so the long name is the LoRA layer's own)."""
+    root = tmp_path / "run"
+    layer = "layers.0." + "x" * 400 + ".q_proj"
+    base = {**BASE, f"{layer}.weight": TensorSpec("BF16", (6, 4))}
+    tensors = lora_tensors(layer)
+    tensors[f"base_model.model.{layer}.lora_A.weight"][0, 0] = float("nan")
+    with pytest.raises(WeightDirError) as e:
+        check_adapter_dir(str(write_adapter(root / "long", tensors)), [root], base, 8, None)
+    assert e.value.status == 422 and "non-finite values" in e.value.message and "x" * 200 not in e.value.message
+
+
+def test_hard_linked_adapter_files_are_refused_unread(tmp_path):
+    """A hard link inside the roots to a file outside them passed the roots check (it resolves to itself), and its
+    config's values were echoed in the 422 (up to 80 characters of a file outside the roots). Any adapter file with
+    more than one name is now refused (403, as a file outside the roots) without being read."""
+    root = tmp_path / "run"
+    good = write_adapter(root / "good", lora_tensors())
+    foreign = outside_adapter(tmp_path)
+    for linked in ("adapter_config.json", "adapter_model.safetensors"):
+        directory = root / f"hard_{linked.split('.')[0]}"
+        directory.mkdir(parents=True)
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            if file == linked:
+                os.link(foreign / file, directory / file)
+            else:
+                (directory / file).write_bytes((good / file).read_bytes())
+        e = refusal(directory, [root])
+        assert e.status == 403 and f"{linked} is a hard link (2 names)" in e.message, e.message
+        assert SECRET not in e.message and "elsewhere" not in e.message and "peft_type" not in e.message
+    # Both names inside the roots: still refused (which name is the real one cannot be told), and a copy passes.
+    inside = root / "hard_inside"
+    inside.mkdir()
+    os.link(good / "adapter_config.json", inside / "adapter_config.json")
+    (inside / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+    assert refusal(inside, [root]).status == 403
+    (inside / "adapter_config.json").unlink()
+    (inside / "adapter_config.json").write_bytes((good / "adapter_config.json").read_bytes())
+    assert check_adapter_dir(str(inside), [root], BASE, 8, MODULES) == inside.resolve()
+
+
+def test_the_pattern_child_inherits_none_of_the_server_s_environment(tmp_path, monkeypatch):
+    """The child that compiles and matches the rank/alpha patterns inherited the server's environment, API keys and
+    a run secret given by hand included. Its environment, read from /proc while it runs (a pattern that backtracks
+    for its full second), now holds at most PYTHONPATH; and it still works."""
+    import threading
+
+    import psutil
+
+    monkeypatch.setenv("PRIME_RL_SECRET", "ab" * 32)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-reach-the-child")
+    root = tmp_path / "run"
+    slow = with_config(root, "slow", {"alpha_pattern": {"(.|.|.|.)*(?=X)": 2}})
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(refusal(slow, [root])))
+    thread.start()
+    environ = None
+    while thread.is_alive() and environ is None:
+        for child in psutil.Process().children():
+            try:
+                if "pattern_check" in " ".join(child.cmdline()):
+                    environ = child.environ()
+            except psutil.Error:  # gone before it was read: the next one is
+                pass
+    thread.join()
+    assert environ is not None, "the pattern child was never seen running"
+    assert set(environ) <= {"PYTHONPATH"}, sorted(environ)
+    assert errors[0].status == 422 and "takes over 1.0s to match" in errors[0].message

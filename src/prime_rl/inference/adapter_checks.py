@@ -4,12 +4,15 @@ An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetenso
 `base_model.model.<layer>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r] for a linear layer's weight [out, in]).
 An input embedding's weight is [vocab, dim] and its LoRA the other way round: A [r, vocab], B [dim, r] (PEFT names them
 `<layer>.lora_embedding_A` / `_B`, and saves the embedding's own weight next to them as `<layer>.base_layer.weight`,
-which vLLM ignores). The checks read the config and the safetensors header only, so a bad adapter is refused (422)
-before the engine sees it: vLLM itself checks neither tensor shapes against the model nor, before loading, whether
-the model has the layers. Both files must resolve inside the allowed roots, as the directory must (403; see
-`weights.open_in_roots`, and the module docstring of `weights` for the race left between the check and vLLM's read).
-The config is held to what vLLM's `PEFTHelper` reads (`CONFIG_KEYS`); its rank/alpha patterns are regexes, compiled
-and matched in a child process bounded in memory and time (vLLM's engine has no bound on them).
+which vLLM ignores). The checks read the config, the safetensors header and then the tensors' data (adapters are
+small), so a bad adapter is refused (422) before the engine sees it: vLLM itself checks neither tensor shapes against
+the model nor, before loading, whether the model has the layers, nor whether the values are finite (a NaN adapter
+served NaN, and its requests' NaN activations reached other requests: see `finite_kv`). Both files must resolve inside
+the allowed roots, as the directory must, and must not be hard links (403; see `weights.open_in_roots`, and the module
+docstring of `weights` for the race left between the check and vLLM's read). The config is held to what vLLM's
+`PEFTHelper` reads (`CONFIG_KEYS`); its rank/alpha patterns are regexes, compiled and matched in a child process
+bounded in memory and time (vLLM's engine has no bound on them), which inherits none of the server's environment.
+Replies name the config key (or the pattern's position) and what is accepted, never the value the file holds.
 
 Their own module because they need neither vLLM nor a running server: the tests check directories without an engine,
 and eval tells an adapter directory by its `ADAPTER_CONFIG`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from prime_rl.inference.weights import (
     clip,
     file_specs,
     names,
+    nonfinite_tensor,
     open_in_roots,
     read_json,
 )
@@ -65,7 +70,12 @@ PATTERN_MEMORY = 1 << 30
 """Address space of the process that compiles the patterns: a pattern as short as `(?:(?:a{60000}){60000})` takes all
 the machine's memory to compile."""
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+PATTERN_PREFIX = "(.*\\.)?("
+"""vLLM matches a pattern key as `(.*\\.)?(<key>)$`."""
 PATTERN_LOCK = threading.Lock()
+CHILD_ENVIRONMENT = ("PYTHONPATH",)
+"""What the pattern child keeps of the server's environment: where `prime_rl` may be imported from. Nothing else (the
+server's may hold API keys or the run secret); the interpreter is this one (`sys.executable`)."""
 
 
 def is_rank(value: object) -> bool:
@@ -139,12 +149,25 @@ def check_adapter_dir(
         if file is None:
             raise WeightDirError(422, f"{shown} has no {ADAPTER_WEIGHTS}")
         specs = file_specs(file, f"{shown}: {ADAPTER_WEIGHTS}")
-    problem = tensor_problem(specs, base, max_rank, modules, rank if not config.get("rank_pattern") else None)
-    if problem is None:
-        problem = pattern_problem(config, sorted(lora_layers(specs)))
+        problem = tensor_problem(specs, base, max_rank, modules, rank if not config.get("rank_pattern") else None)
+        if problem is None:
+            problem = pattern_problem(config, sorted(lora_layers(specs)))
+        if problem is None:
+            problem = nonfinite_problem(file)  # the data of the very file whose header was checked
     if problem is not None:
         raise WeightDirError(422, f"{shown}: {problem}")
     return path
+
+
+def nonfinite_problem(file: str) -> str | None:
+    """Why the adapter's values cannot be served (a NaN or an infinity), or None."""
+    try:
+        name = nonfinite_tensor(file)
+    except WeightDirError as e:
+        return f"{ADAPTER_WEIGHTS} has {e.message}"
+    if name is None:
+        return None
+    return f"{ADAPTER_WEIGHTS} has non-finite values (NaN or inf) in tensor {clip(name, 120)}"
 
 
 def read_adapter_config(config: object, shown: str) -> dict:
@@ -156,8 +179,8 @@ def read_adapter_config(config: object, shown: str) -> dict:
         raise WeightDirError(
             422, f"{shown}: {ADAPTER_CONFIG} has no {', '.join(missing)} (required: {', '.join(REQUIRED_KEYS)})"
         )
-    refused = [
-        f"{key}={clip(as_json(config[key]), 80)} (vLLM takes {accepted})"
+    refused = [  # the key and the JSON type of its value, never the value: the file's contents are not echoed
+        f"{key} as {json_type(config[key])} (vLLM takes {accepted})"
         for key, (accepts, accepted) in CONFIG_KEYS.items()
         if key in config and not accepts(config[key])
     ]
@@ -166,11 +189,20 @@ def read_adapter_config(config: object, shown: str) -> dict:
     return config
 
 
-def as_json(value: object) -> str:
-    try:
-        return json.dumps(value)
-    except (ValueError, RecursionError):
-        return type(value).__name__
+JSON_KINDS = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def json_type(value: object) -> str:
+    """What kind of JSON value `value` is ("a string", "an object"...), for a message that must not quote it."""
+    kind = next((name for cls, name in JSON_KINDS.items() if isinstance(value, cls)), None)
+    return kind or ("null" if value is None else type(value).__name__)
 
 
 def config_rank(config: dict, max_rank: int) -> int:
@@ -198,9 +230,12 @@ def pattern_problem(config: dict, layers: list[str]) -> str | None:
     ]
     request = json.dumps({"patterns": patterns, "layers": layers})
     fields = " and ".join(field for field in PATTERN_FIELDS if patterns[field])
+    env = child_environment(os.environ)
     try:
         with PATTERN_LOCK:  # one child at a time: concurrent loads cannot add up to many PATTERN_MEMORYs
-            done = subprocess.run(command, input=request, capture_output=True, text=True, timeout=PATTERN_SECONDS + 10)
+            done = subprocess.run(
+                command, input=request, capture_output=True, text=True, timeout=PATTERN_SECONDS + 10, env=env
+            )
     except subprocess.TimeoutExpired:
         return f"{ADAPTER_CONFIG}: compiling and matching {fields} took over {PATTERN_SECONDS + 10}s"
     except OSError as e:
@@ -211,38 +246,49 @@ def pattern_problem(config: dict, layers: list[str]) -> str | None:
         found = json.loads(done.stdout)
     except ValueError:
         raise WeightDirError(500, f"the check of {fields} failed: {clip(done.stderr[-400:], 400)}") from None
-    if found:
-        return (
-            f"{ADAPTER_CONFIG} has {found['field']} {clip(as_json(found['key']), 80)}, which {clip(found['problem'])}"
-        )
+    if found:  # the pattern is named by its place in the file, not quoted
+        field = found["field"]
+        place = f"{found['index'] + 1} of {len(patterns[field])}"
+        return f"{ADAPTER_CONFIG} has a {field} key ({place}) that {clip(found['problem'])}"
     return None
+
+
+def child_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The pattern child's environment: `CHILD_ENVIRONMENT` of `environ`, nothing else."""
+    return {key: environ[key] for key in CHILD_ENVIRONMENT if key in environ}
 
 
 def pattern_check() -> None:
     """The child of `pattern_problem`: reads {"patterns", "layers"} from stdin, writes the first problem found
-    ({"field", "key", "problem"}) or {}."""
+    ({"field", "index", "problem"}) or {}."""
     resource.setrlimit(resource.RLIMIT_AS, (PATTERN_MEMORY, PATTERN_MEMORY))
     request = json.load(sys.stdin)
     print(json.dumps(first_pattern_problem(request["patterns"], request["layers"], PATTERN_SECONDS) or {}))
 
 
 def first_pattern_problem(patterns: dict[str, list[str]], layers: list[str], seconds: float) -> dict | None:
+    """The first pattern vLLM cannot use, as {"field", "index" (its place among the field's keys), "problem"}. The
+    problem says what is wrong without quoting the pattern (a regex error's message may quote part of it)."""
     deadline = time.monotonic() + seconds
     for field, keys in patterns.items():
-        for key in keys:
+        for index, key in enumerate(keys):
+            found = {"field": field, "index": index}
             try:  # vLLM: re.match(rf"(.*\.)?({key})$", layer) with the `regex` module (PEFTHelper._match_pattern)
-                pattern = regex.compile(rf"(.*\.)?({key})$")
+                pattern = regex.compile(f"{PATTERN_PREFIX}{key})$")
             except MemoryError:
-                return {"field": field, "key": key, "problem": f"takes over {PATTERN_MEMORY >> 20} MiB to compile"}
-            except Exception as e:  # regex.error, and whatever else an odd pattern raises
-                return {"field": field, "key": key, "problem": f"is not a valid regex (in `(.*\\.)?(<key>)$`: {e})"}
+                return found | {"problem": f"takes over {PATTERN_MEMORY >> 20} MiB to compile"}
+            except regex.error as e:
+                where = f" at position {max(e.pos - len(PATTERN_PREFIX), 0)}" if isinstance(e.pos, int) else ""
+                return found | {"problem": f"is not a valid regex (in `{PATTERN_PREFIX}<key>)$`{where})"}
+            except Exception as e:  # whatever else an odd pattern raises
+                return found | {"problem": f"is not a valid regex ({type(e).__name__})"}
             for layer in layers:
                 try:
                     pattern.match(layer, timeout=max(deadline - time.monotonic(), 0.001))
                 except TimeoutError:
-                    return {"field": field, "key": key, "problem": f"takes over {seconds}s to match the layer names"}
+                    return found | {"problem": f"takes over {seconds}s to match the layer names"}
                 except Exception as e:  # MemoryError, RecursionError
-                    return {"field": field, "key": key, "problem": f"fails to match the layer names ({e!r})"}
+                    return found | {"problem": f"fails to match the layer names ({type(e).__name__})"}
     return None
 
 

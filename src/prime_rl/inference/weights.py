@@ -1,10 +1,17 @@
 """Checks on a weight directory before the server loads it: the server must never be left half-updated.
 
-Everything here reads safetensors headers only (no tensor data), so a check costs milliseconds.
+The shape checks read safetensors headers only (milliseconds); the finiteness check (`nonfinite_tensor`) reads every
+tensor, streamed a bounded chunk at a time: a NaN or inf in the weights would be served (and a request's non-finite
+activations could reach other requests, see `finite_kv`), so it is refused (422, naming the tensor) before anything
+pauses. Its cost: README "Non-finite weights".
 
 Allowed roots: a directory given by a request must resolve inside them, and so must every file in it that vLLM will
 read (a directory inside the roots may hold symlinks to files elsewhere). A file that resolves outside is refused
-unopened, and replies name only the file, not where it leads: nothing of a file outside the roots reaches a reply.
+unopened, and so is a hard link (a file with more than one name, whose other names may lie outside the roots: the
+roots are a rule about names, which a hard link escapes). Replies name only the file, not where it leads, and no reply
+quotes a value read from a file (a config value, a pattern, a parser's message about the contents): they name the
+key and what is accepted. Names are the exception, clipped: of tensors (with their shapes and dtypes) and of the files
+an index lists, as saying which one is wrong is the point.
 What the checks read is the file they checked (`open_in_roots`). vLLM reads the directory again afterwards, by path:
 someone who can write inside the roots can still swap a file for a symlink in the moment between the check and vLLM's
 read. Closing that would need a private copy of every file checked, made before vLLM reads it; writing inside the
@@ -14,7 +21,9 @@ roots is the trust this server gives the trainer that publishes there.
 import errno
 import glob
 import json
+import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +40,9 @@ ECHO_CHARS = 200
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 MAX_JSON_BYTES = 16 << 20
 """The largest JSON file (adapter_config.json, a safetensors index) the checks read."""
+SCAN_CHUNK_BYTES = 64 << 20
+"""The most tensor data `nonfinite_tensor` holds at once (a tensor is read in chunks of whole rows)."""
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 class WeightDirError(Exception):
@@ -118,7 +130,48 @@ def file_specs(file: Path | str, shown: str | None = None) -> dict[str, TensorSp
             return specs
     except Exception as e:  # safetensors raises several types for a corrupt or truncated file
         shown = shown if shown is not None else clip(file)
-        raise WeightDirError(422, f"{shown} is not a readable safetensors file: {clip(e)}") from None
+        raise WeightDirError(422, f"{shown} is not a readable safetensors file: {parser_reason(e)}") from None
+
+
+def parser_reason(error: Exception) -> str:
+    """A parser's message about a file, without what it quotes of the contents (serde and json quote the offending
+    value: "unknown variant `...`"); the error's type where nothing is left."""
+    words = re.match(r"[^`'\"]*", str(error)).group(0).strip(" :,")
+    return clip(words, 120) if words else type(error).__name__
+
+
+def nonfinite_tensor(file: str) -> str | None:
+    """The name of the first float tensor in the safetensors `file` holding a NaN or an infinity, or None; reads every
+    float tensor, `SCAN_CHUNK_BYTES` of whole rows at a time (a file of any size in bounded memory). `WeightDirError`
+    (422) if the data is unreadable (a truncated file)."""
+    import torch
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                sliced = f.get_slice(name)
+                dtype = sliced.get_dtype()
+                if dtype not in DTYPE_BYTES:  # integers and bools have no NaN; a float8 is refused as no float dtype
+                    continue
+                shape = sliced.get_shape()
+                if not shape:
+                    chunks = [f.get_tensor(name)]
+                else:
+                    row = math.prod(shape[1:]) * DTYPE_BYTES[dtype]
+                    rows = max(1, SCAN_CHUNK_BYTES // max(row, 1))
+                    chunks = (sliced[start : start + rows] for start in range(0, shape[0], rows))
+                for chunk in chunks:
+                    if not all_finite(chunk, torch):
+                        return name
+    except Exception as e:
+        raise WeightDirError(422, f"tensor data that cannot be read ({parser_reason(e)})") from None
+    return None
+
+
+def all_finite(tensor, torch) -> bool:
+    """No NaN or infinity in `tensor`. A non-finite element makes the sum NaN or inf, so a finite sum (one pass, no
+    mask) proves every element finite; a non-finite one (or finite values that overflowed the sum) is settled exactly."""
+    return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
 
 
 def read_json(file: str, shown: str, name: str) -> object:
@@ -130,7 +183,7 @@ def read_json(file: str, shown: str, name: str) -> object:
             raise ValueError(f"over {MAX_JSON_BYTES} bytes")
         return json.loads(data)
     except (ValueError, RecursionError, OSError) as e:
-        raise WeightDirError(422, f"{shown}: {clip(name)} is not readable JSON ({clip(e)})") from None
+        raise WeightDirError(422, f"{shown}: {clip(name)} is not readable JSON ({parser_reason(e)})") from None
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -162,6 +215,8 @@ def open_in_roots(entry: Path, roots: list[Path] | None, shown: str) -> Iterator
     `entry` is resolved first, and a file that resolves outside the roots is refused (403) without being opened and
     without naming where it leads. The file is then opened without following a last symlink, never blocking (a FIFO),
     and the kernel's path of the open file is checked again, so a link swapped into the path in between is caught.
+    A hard link (a regular file with more than one name) is refused unread, 403 as well: its other names may lie
+    outside the roots, and which is the "real" one cannot be told; a copy is accepted.
     `shown`: how messages name the directory. See the module docstring for the race this leaves (vLLM's own read).
     """
     outside = WeightDirError(403, f"{shown}: {clip(entry.name)} resolves outside the allowed roots")
@@ -180,9 +235,16 @@ def open_in_roots(entry: Path, roots: list[Path] | None, shown: str) -> Iterator
             return
         raise WeightDirError(422, f"{shown}: {clip(entry.name)} cannot be opened ({e.strerror})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
             yield None
             return
+        if roots is not None and status.st_nlink > 1:
+            raise WeightDirError(
+                403,
+                f"{shown}: {clip(entry.name)} is a hard link ({status.st_nlink} names), refused as a file that may "
+                "lie outside the allowed roots: give a copy",
+            )
         path = real
         try:
             opened = os.readlink(f"/proc/self/fd/{fd}")
