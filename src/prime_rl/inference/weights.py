@@ -26,7 +26,7 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import NamedTuple
@@ -76,24 +76,47 @@ def safetensors_specs(
     A name stored in two files is refused: vLLM would load it twice, which its layerwise reload counts as
     a complete layer before the layer's other tensors arrived.
     """
-    folder = str(model_dir)
-    shown = shown if shown is not None else clip(folder)
-    files, index_name = weight_files(folder)
-    if files:
-        with open_in_roots(Path(folder) / index_name, roots, shown) as index:
-            if index is not None:
-                files = indexed_files(files, read_json(index, shown, index_name), folder, shown, index_name)
+    shown = shown if shown is not None else clip(str(model_dir))
     specs: dict[str, TensorSpec] = {}
-    for file in files:
-        name = os.path.basename(file)
-        with open_in_roots(Path(file), roots, shown) as path:
-            if path is None:
-                raise WeightDirError(422, f"{shown}: {clip(name)} is not a readable file")
+    with closing(opened_weight_files(model_dir, roots, shown)) as files:
+        for name, path in files:
             for tensor, spec in file_specs(path, f"{shown}: {clip(name)}").items():
                 if tensor in specs:
                     raise WeightDirError(422, f"tensor {clip(tensor)} is stored twice (again in {clip(name)})")
                 specs[tensor] = spec
     return specs
+
+
+def opened_weight_files(model_dir: Path, roots: list[Path] | None, shown: str) -> Iterator[tuple[str, str]]:
+    """(file name, a path that reads the opened file) for each safetensors file vLLM loads from `model_dir`, the index
+    that selects them read first; each file is opened by `open_in_roots` and stays open until the next is asked for
+    (close the generator when stopping early)."""
+    folder = str(model_dir)
+    files, index_name = weight_files(folder)
+    if files:
+        with open_in_roots(Path(folder) / index_name, roots, shown) as index:
+            if index is not None:
+                files = indexed_files(files, read_json(index, shown, index_name), folder, shown, index_name)
+    for file in files:
+        name = os.path.basename(file)
+        with open_in_roots(Path(file), roots, shown) as path:
+            if path is None:
+                raise WeightDirError(422, f"{shown}: {clip(name)} is not a readable file")
+            yield name, path
+
+
+def nonfinite_problem(model_dir: Path, roots: list[Path] | None, shown: str) -> str | None:
+    """Which tensor of the weights in `model_dir` holds a NaN or an infinity, or None: every tensor is read
+    (`nonfinite_tensor`), the files through the same checks as their headers were."""
+    with closing(opened_weight_files(model_dir, roots, shown)) as files:
+        for name, path in files:
+            try:
+                tensor = nonfinite_tensor(path)
+            except WeightDirError as e:
+                return f"{shown}: {clip(name)} has {e.message}"
+            if tensor is not None:
+                return f"{shown}: tensor {clip(tensor, 120)} (in {clip(name)}) has non-finite values (NaN or inf)"
+    return None
 
 
 def weight_files(folder: str) -> tuple[list[str], str]:
@@ -266,18 +289,21 @@ def dtypes_compatible(got: str, expected: str) -> bool:
 
 def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, TensorSpec]) -> Path:
     """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`. The directory and
-    every file vLLM will read from it must resolve inside `roots`."""
+    every file vLLM will read from it must resolve inside `roots`, its tensors fit the served model's, and every
+    value must be finite (read in full, streamed: README "Non-finite weights" has the cost)."""
     shown = clip(weight_dir)
     path = checked_dir(weight_dir, roots, "weight_dir")
     try:
         specs = safetensors_specs(path, roots, f"weight_dir {shown}")
+        if not specs:
+            raise WeightDirError(422, f"weight_dir {shown} holds no *.safetensors files")
+        problem = spec_problem(specs, expected, "weight_dir")
+        if problem is None:  # only weights that fit are read in full
+            problem = nonfinite_problem(path, roots, f"weight_dir {shown}")
     except OSError as e:
         raise WeightDirError(
             400, f"weight_dir {shown} is not a usable path ({e.strerror or type(e).__name__})"
         ) from None
-    if not specs:
-        raise WeightDirError(422, f"weight_dir {shown} holds no *.safetensors files")
-    problem = spec_problem(specs, expected, "weight_dir")
     if problem is not None:
         raise WeightDirError(422, problem)
     return path
@@ -337,7 +363,10 @@ TORCH_TO_SAFETENSORS = {"float64": "F64", "float32": "F32", "float16": "F16", "b
 
 
 def header_problem(header, expected: dict) -> str | None:
-    """`spec_problem` for a broadcast's header (`weight_broadcast.Header`); `expected` as sent over RPC (lists)."""
+    """Why a broadcast's header (`weight_broadcast.Header`) cannot be received: the trainer's own refusal (its policy
+    holds a NaN or an infinity: `Header.refused`), else `spec_problem`; `expected` as sent over RPC (lists)."""
+    if getattr(header, "refused", None):
+        return f"the trainer sends no weights: {clip(header.refused, 1000)}"
     dtype = TORCH_TO_SAFETENSORS.get(header.dtype, header.dtype)
     specs = {name: TensorSpec(dtype, tuple(shape)) for name, shape in header.specs().items()}
     served = {name: TensorSpec(d, tuple(shape)) for name, (d, shape) in expected.items()}

@@ -9,6 +9,10 @@ from concurrent.futures import Future
 
 from loguru import logger
 
+from prime_rl.inference.finite_kv import guard_kv_cache
+
+guard_kv_cache()  # in the process that runs the model, before it runs: no NaN/inf reaches the KV cache
+
 
 class WeightSwapExtension:
     def prime_load_weights(self, weight_dir: str) -> None:

@@ -2,16 +2,23 @@
 
 `broadcasts/step_n/` = safetensors (+ config, generation config, tokenizer), written to a temporary
 name, renamed into place, then marked `STABLE`: a reader that sees `STABLE` sees a complete directory.
+
+Weights with a NaN or an infinity are never published (`NonFiniteWeights`, naming the tensor): a diverged policy
+would be served as NaN, and the servers refuse it anyway (422). The check is of the values as published, cast to the
+export dtype (a float32 value beyond float16's range is an infinity once exported).
 """
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from prime_rl.utils.fs import atomic_dir
 
@@ -27,8 +34,50 @@ def weights_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "weights" / f"step_{step}"
 
 
-def full_state_dict(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Unsharded weights on rank 0's CPU (a collective: every rank must call it); empty on other ranks."""
+class NonFiniteWeights(RuntimeError):
+    """Weights about to be published hold a NaN or an infinity (the policy diverged): they are not published."""
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor`: a non-finite element makes the sum non-finite, so a finite sum (one pass, no
+    mask) settles it; a non-finite sum (or finite values that overflowed it) is checked exactly."""
+    return math.isfinite(tensor.sum(dtype=torch.float32).item()) or bool(torch.isfinite(tensor).all())
+
+
+def nonfinite_tensor_name(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> str | None:
+    """The first of `tensors` (in order) that holds a NaN or an infinity once cast to `dtype`, or None."""
+    return next((name for name, tensor in tensors.items() if not all_finite(tensor.to(dtype))), None)
+
+
+def nonfinite_parameter(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Every rank (a collective): the first parameter of `model` that holds a NaN or an infinity, cast to `dtype`, in
+    any rank's shard, or None. Each rank reads its own shards only (no gather); one MIN all-reduce of the index."""
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
+    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in named}
+    first = next((i for i, name in enumerate(local) if not all_finite(local[name].to(dtype))), len(named))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        index = torch.tensor([first], dtype=torch.int64, device=device)
+        dist.all_reduce(index, op=dist.ReduceOp.MIN)
+        first = int(index.item())
+    return named[first][0] if first < len(named) else None
+
+
+def check_finite(model: torch.nn.Module, dtype: torch.dtype, what: str) -> None:
+    """Every rank (a collective): `NonFiniteWeights` on every rank if any parameter holds a NaN or an infinity.
+    `what` names the weights in the message ("policy step 7")."""
+    name = nonfinite_parameter(model, dtype)
+    if name is not None:
+        raise NonFiniteWeights(
+            f"{what} has non-finite values (NaN or inf) in {name}: the training diverged, nothing is published"
+        )
+
+
+def full_state_dict(model, dtype: torch.dtype, what: str = "the model to publish") -> dict[str, torch.Tensor]:
+    """Unsharded weights on rank 0's CPU (a collective: every rank must call it); empty on other ranks.
+    `NonFiniteWeights` on every rank, before anything is gathered, for weights with a NaN or an infinity (`what`
+    names them in the message)."""
+    check_finite(model, dtype, what)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     if getattr(model.config, "tie_word_embeddings", False):

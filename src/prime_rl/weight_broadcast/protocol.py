@@ -18,6 +18,9 @@ is the table in docs/architecture.md ("The transfer protocol"). In short:
   and shape, in groups of one decoder layer each, the rest first); one MIN all-reduce in which every receiver says
   whether the header fits its model (a misfit stops every member before any weight changes); then one flat buffer per
   group, which a receiver streams into vLLM's layer-wise reload: neither end holds more than about a layer extra.
+  A trainer whose policy holds a NaN or an infinity sends the header with `refused` saying which tensor, and says
+  no in the all-reduce itself: every receiver refuses with that reason (a 422 naming the tensor), and no buffer
+  follows. (A header without `refused` is byte for byte what it was before the field existed.)
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ MAX_STEP = (1 << 63) - 1
 DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a trainer sends (its model's, or the export dtype)."""
 LAYER = re.compile(r"\.layers\.(\d+)\.")
+MAX_REFUSAL = 2000
+"""The longest `Header.refused` a receiver accepts (characters)."""
 
 
 def ack_key(request_id: str) -> str:
@@ -131,12 +136,16 @@ class Header:
     """torch dtype name of every tensor (the trainer sends in the model's stored dtype)."""
     groups: list[list[tuple[str, tuple[int, ...]]]]
     """Tensor names and full shapes, one list per flat buffer that follows (the non-layer tensors, then each layer)."""
+    refused: str | None = None
+    """Why the trainer will not send these weights (a tensor with a NaN or an infinity); None: the buffers follow.
+    Set, the trainer says no in the all-reduce, so every receiver stops and reports this."""
 
     def specs(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.groups for name, shape in group}
 
     def encode(self) -> bytes:
-        return json.dumps({"step": self.step, "dtype": self.dtype, "groups": self.groups}).encode()
+        fields = {"step": self.step, "dtype": self.dtype, "groups": self.groups}
+        return json.dumps(fields | ({"refused": self.refused} if self.refused is not None else {})).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Header:
@@ -146,8 +155,11 @@ class Header:
             data = json.loads(raw)
         except (ValueError, RecursionError):
             raise HeaderError("the transfer header is not JSON") from None
-        if not isinstance(data, dict) or set(data) != {"step", "dtype", "groups"}:
-            raise HeaderError("the transfer header must be an object with exactly step, dtype and groups")
+        if not isinstance(data, dict) or set(data) - {"refused"} != {"step", "dtype", "groups"}:
+            raise HeaderError("the transfer header must be an object with exactly step, dtype, groups (and refused)")
+        refused = data.get("refused")
+        if refused is not None and not (isinstance(refused, str) and 0 < len(refused) <= MAX_REFUSAL):
+            raise HeaderError(f"the transfer header's refused must be a string of 1 to {MAX_REFUSAL} characters")
         try:
             step = _bounded_int(data["step"], 0, MAX_STEP, "step")
         except ValueError as e:
@@ -168,7 +180,7 @@ class Header:
                     raise HeaderError("each tensor of the transfer header is [name, [dims...]] with 0 <= dim < 2^40")
                 entries.append((entry[0], tuple(entry[1])))
             parsed.append(entries)
-        return cls(step, data["dtype"], parsed)
+        return cls(step, data["dtype"], parsed, refused)
 
 
 def max_header_bytes(expected: dict) -> int:

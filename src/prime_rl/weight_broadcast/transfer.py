@@ -160,16 +160,31 @@ def send_tensors(group, tensors: list[torch.Tensor], dtype: torch.dtype, device:
     _broadcast(group, flat, timeout)
 
 
+class NonFiniteTensor(ValueError):
+    """A received tensor holds a NaN or an infinity: the receiver stops before handing any of its group on."""
+
+
 def receive_tensors(group, header: Header, device: torch.device, timeout: float) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the transfer, one group's buffer at a time (a fresh buffer per group: the
-    consumer may keep views of a group until its layer is complete)."""
+    consumer may keep views of a group until its layer is complete). Each buffer is checked before any of its tensors
+    is yielded: `NonFiniteTensor` naming the first one with a NaN or an infinity (the trainer checks before sending;
+    this is the receiver's own line, and the consumer's failed load then serves none of it)."""
     dtype = getattr(torch, header.dtype)
     for names_shapes in header.groups:
         numel = sum(math.prod(shape) for _, shape in names_shapes)
         flat = torch.empty(numel, dtype=dtype, device=device)
         _broadcast(group, flat, timeout)
-        offset = 0
+        tensors, offset = [], 0
         for name, shape in names_shapes:
             n = math.prod(shape)
-            yield name, flat[offset : offset + n].view(shape)
+            tensors.append((name, flat[offset : offset + n].view(shape)))
             offset += n
+        if not finite(flat):
+            name = next(name for name, tensor in tensors if not finite(tensor))
+            raise NonFiniteTensor(f"the broadcast's {name[:120]} (policy step {header.step}) has NaN or inf values")
+        yield from tensors
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor` (a finite sum settles it in one pass; otherwise checked exactly)."""
+    return math.isfinite(tensor.sum(dtype=torch.float32).item()) or bool(torch.isfinite(tensor).all())

@@ -6,7 +6,10 @@ Every rank takes part in a transfer: each layer's full tensors are gathered from
 and rank 0 broadcasts them to the servers, one layer at a time.
 
 A receiver that dies mid-transfer fails only that transfer: rank 0 reports the error to the orchestrator (which
-takes the server out of rotation and sends the next policy to a new group) and training goes on. Rank 0 spends at
+takes the server out of rotation and sends the next policy to a new group) and training goes on. A policy with a NaN
+or an infinity is never sent: asked for it, the trainer sends the header with the reason (the tensor) and says no in
+the receivers' all-reduce, so every server refuses it before any weight changes (a 422 naming the tensor, which ends
+the orchestrator's run), then every rank raises `NonFiniteWeights`: the training diverged. Rank 0 spends at
 most `weight_broadcast.timeout` on starting a transfer and on each layer, which bounds how long the other ranks
 wait for it in a collective (the config caps the timeout well under torch's collective timeouts).
 """
@@ -23,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from prime_rl.config import WeightBroadcastConfig
 from prime_rl.trainer.model.build import SetupError
 from prime_rl.trainer.parallel.distributed import World, broadcast_object
+from prime_rl.trainer.weights import NonFiniteWeights, nonfinite_parameter
 from prime_rl.utils.secret import SecretError, store_key
 from prime_rl.weight_broadcast.protocol import (
     ORCHESTRATOR_DONE,
@@ -56,6 +60,8 @@ class WeightSender:
         self.group, self.group_id = None, None
         self.seconds = 0.0
         """Time spent sending since the loop last read it (`pop_seconds`)."""
+        self.checked: tuple[int | None, str | None] | None = None
+        """(step, why its weights cannot be sent, or None): the finiteness check, made once per published step."""
         if world.is_main:
             try:
                 key = store_key("the in-memory weight broadcast (weight_broadcast.type gloo/nccl)")
@@ -101,24 +107,34 @@ class WeightSender:
     def serve(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Every rank: answer the pending request by broadcasting the model's weights (cast to `dtype`) to its group."""
         start = time.perf_counter()
+        refused = self._refused(model, dtype)
         request, outcome = None, None
         if self.world.is_main:
             request, outcome = self._take_request()
             if request is not None:
                 set_json(self.table, ack_key(request.id), {"step": self.step})
-                outcome = self._start(model, request, dtype)
+                outcome = self._start(model, request, dtype, refused)
         outcome = broadcast_object(outcome, self.world)
-        if outcome == "skip":
-            return
-        error = self._send_layers(model, dtype) if outcome == "send" else outcome
-        if self.world.is_main:
-            set_json(self.table, served_key(request.id), {"step": self.step, "error": error})
-            if error is None:
-                self.taken = max(self.taken, self.step)
-                logger.debug(f"sent policy step {self.step} to group {request.group}")
-            else:
-                logger.warning(f"weight broadcast of policy step {self.step} failed: {error}")
+        if outcome != "skip":
+            error = self._send_layers(model, dtype) if outcome == "send" else outcome
+            if self.world.is_main:
+                set_json(self.table, served_key(request.id), {"step": self.step, "error": error})
+                if error is None:
+                    self.taken = max(self.taken, self.step)
+                    logger.debug(f"sent policy step {self.step} to group {request.group}")
+                else:
+                    logger.warning(f"weight broadcast of policy step {self.step} failed: {error}")
         self.seconds += time.perf_counter() - start
+        if refused is not None:  # every rank, once the servers were told why
+            raise NonFiniteWeights(f"{refused}: the training diverged, nothing is sent")
+
+    def _refused(self, model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+        """Every rank (a collective, once per published step): why the model's weights cannot be sent, or None."""
+        if self.checked is None or self.checked[0] != self.step:
+            name = nonfinite_parameter(model, dtype)
+            problem = f"policy step {self.step} has non-finite values (NaN or inf) in {name[:200]}" if name else None
+            self.checked = (self.step, problem)
+        return self.checked[1]
 
     def _take_request(self) -> tuple[Request | None, str | None]:
         """Rank 0: the pending request, deleted from the store; ("skip") for one that does not parse (only a process
@@ -132,8 +148,9 @@ class WeightSender:
             logger.warning(f"ignored a malformed weight-transfer request ({e})")
             return None, "skip"
 
-    def _start(self, model: torch.nn.Module, request: Request, dtype: torch.dtype) -> str:
+    def _start(self, model: torch.nn.Module, request: Request, dtype: torch.dtype, refused: str | None) -> str:
         """Rank 0: join the request's group, send the header; "send" if every receiver accepted it, else why not.
+        `refused`: why these weights must not be sent (the header says so, and rank 0 says no in the all-reduce).
         Everything here shares one deadline: the other ranks wait for it in a collective."""
         deadline = time.monotonic() + self.config.timeout
 
@@ -145,8 +162,10 @@ class WeightSender:
                 self.group, self.group_id = None, None  # the old group's peers may be gone
                 self.group = join_group(self.table, request.group, 0, request.world_size, self.config.type, left())
                 self.group_id = request.group
-            send_header(self.group, header(model, self.step, dtype), self.device, left())
-            accepted = agree(self.group, True, self.device, left())
+            send_header(self.group, header(model, self.step, dtype, refused), self.device, left())
+            accepted = agree(self.group, refused is None, self.device, left())
+            if refused is not None:
+                return f"not sent: {refused}"
             return "send" if accepted else "a server refused the weights (its reply to the orchestrator says why)"
         except Exception as e:
             self.group, self.group_id = None, None
@@ -172,12 +191,13 @@ class WeightSender:
         return error
 
 
-def header(model: torch.nn.Module, step: int, dtype: torch.dtype) -> Header:
+def header(model: torch.nn.Module, step: int, dtype: torch.dtype, refused: str | None = None) -> Header:
     """What a transfer of the model's parameters holds: their names and full shapes, per layer (a tied output layer
-    is the embedding's parameter, so it is listed and sent once, as the checkpoint stores it)."""
+    is the embedding's parameter, so it is listed and sent once, as the checkpoint stores it); `refused`: why it will
+    not be sent after all (`Header.refused`)."""
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = [[(name, shapes[name]) for name in names] for names in layer_groups(list(shapes))]
-    return Header(step, str(dtype).removeprefix("torch."), groups)
+    return Header(step, str(dtype).removeprefix("torch."), groups, refused)
 
 
 def full_tensor(param: torch.nn.Parameter, device: torch.device) -> torch.Tensor:
