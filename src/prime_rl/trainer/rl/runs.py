@@ -5,7 +5,8 @@ Where runs are: with `max_concurrent_runs = 1`, `output_dir` itself; with more, 
 A run is known by its orchestrator's resolved config, `configs/orchestrator.toml` (written when the orchestrator
 starts), which must have an `[adapter]` section; its optimizer, schedule and seed come from there, its length from
 its `max_steps`. A directory whose config is invalid gets `configs/trainer_error.txt` and is skipped until the config
-changes; an orchestrator restarted on the directory rewrites its config, and the run restarts in the trainer from the
+changes, and so does a run whose adapter diverged (a NaN or an infinity after a step: it is not published, the run
+ends, and the file says at which step and in which tensor; the other runs go on); an orchestrator restarted on the directory rewrites its config, and the run restarts in the trainer from the
 checkpoint its `ckpt.resume_step` names. A run whose orchestrator has exited (its `.locks/orchestrator.lock` is free)
 leaves once no batch is left to train, and a directory whose orchestrator is gone is not waited for: the trainer
 stops when every run it trained has ended and no live orchestrator is starting another.
@@ -41,7 +42,7 @@ from prime_rl.trainer.ckpt import (
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.trainer.model.lora import LoRAAdapters
 from prime_rl.trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
-from prime_rl.trainer.weights import STABLE, broadcast_dir, prune_broadcasts
+from prime_rl.trainer.weights import STABLE, broadcast_dir, nonfinite_tensor_name, prune_broadcasts
 from prime_rl.utils.fs import remove_steps_after, write_atomic
 from prime_rl.utils.locks import holder_alive
 from prime_rl.utils.monitor import Monitor
@@ -257,9 +258,15 @@ class Runs:
         run.scheduler.step()
         return grad_norm, lr
 
-    def publish(self, run: Run, base_model: str, dtype: torch.dtype) -> None:
-        """Rank 0: the adapter after `run.progress.step` steps to `broadcasts/`, maybe a checkpoint, then pruning."""
+    def publish(self, run: Run, base_model: str, dtype: torch.dtype) -> str | None:
+        """Rank 0: the adapter after `run.progress.step` steps to `broadcasts/`, maybe a checkpoint, then pruning.
+        An adapter with a NaN or an infinity (as exported in `dtype`) is neither published nor checkpointed: returns
+        why (the step and the tensor; also written to the run's `configs/trainer_error.txt`), else None."""
         step = run.progress.step
+        diverged = self.divergence(run, dtype)
+        if diverged is not None:  # (`apply` logs it as the run leaves)
+            write_atomic(run.path / CONFIG_ERROR, f"the trainer ended this run: it {diverged}\n".encode())
+            return diverged
         self.adapters.save(run.slot, broadcast_dir(run.path, step), base_model, dtype, STABLE)
         ckpt = run.config.ckpt
         if ckpt is not None and ckpt.due(step, run.max_steps):
@@ -267,6 +274,17 @@ class Runs:
             prune_checkpoints(run.path, ckpt, step)
         live = set(complete_steps(run.path)) if ckpt is not None else set()
         prune_broadcasts(run.path, step, run.config.max_async_level, keep=live)
+        return None
+
+    def divergence(self, run: Run, dtype: torch.dtype) -> str | None:
+        """Why the run's adapter must not be published (a NaN or an infinity in it, cast to `dtype`), or None."""
+        name = nonfinite_tensor_name(self.adapters.state(run.slot), dtype)
+        if name is None:
+            return None
+        return (
+            f"diverged at step {run.progress.step}: its adapter has non-finite values (NaN or inf) in {name}; "
+            "it is not published"
+        )
 
 
 def orchestrator_gone(run_dir: Path) -> bool:

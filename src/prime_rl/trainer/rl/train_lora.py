@@ -7,7 +7,9 @@ every rank applies the same changes -> rank 0 reads each ready run's batch and p
 run's adapter slot) and deals the rows out -> forward/backward of every micro-batch (each token through its run's
 adapter, each run's loss divided by its own loss tokens) -> adapter gradients summed over the ranks -> per run: clip,
 optimizer and schedule step -> rank 0 publishes each run's adapter as `broadcasts/step_n` of that run, checkpoints it
-when due, and logs its metrics in its directory. A run's batch that cannot be used ends that run, not the trainer.
+when due, and logs its metrics in its directory. A run's batch that cannot be used ends that run, not the trainer; so
+does an adapter that diverged (a NaN or an infinity): it is not published, and the error names the run, the step and
+the tensor (`Runs.publish`).
 Training a run beside others gives it the same adapter as training it alone: its gradient is its own rows' alone.
 """
 
@@ -59,6 +61,7 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
         t_data = time.perf_counter() - t0
         failed = info["failed"]
         trained = [run for run in ready if run.name not in failed]
+        diverged: dict[str, str] = {}
         if trained:
             model.train()
             scales = {
@@ -81,7 +84,9 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
                 run.waiting_since = time.monotonic()
                 if world.is_main:
                     start = time.perf_counter()
-                    runs.publish(run, config.model.name, export_dtype)
+                    if (why := runs.publish(run, config.model.name, export_dtype)) is not None:
+                        diverged[run.name] = why
+                        continue
                     remove_batch(run.path, run.progress.step)  # trained: nothing reads it again
                     meter = meters.setdefault(run.name, StepMeter(model.config, config.seq_len, world))
                     grad_norm, lr = steps[run.name]
@@ -89,8 +94,9 @@ def train_lora(config: TrainerConfig, world: World, monitor: Monitor | None) -> 
                     metrics = meter.step(sums[run.name], slot_info, grad_norm, lr, t_data, t_train)
                     metrics |= rl_metrics(sums[run.name], slot_info, times) | {"runs_in_step": len(trained)}
                     log_run_step(run, metrics)
-        if failed:
-            runs.apply(Changes(leaving={name: f"failed: {message}" for name, message in failed.items()}))
+            diverged = broadcast_object(diverged, world)  # rank 0 found them: every rank ends the same runs
+        if failed or diverged:
+            runs.apply(Changes(leaving={name: f"failed: {message}" for name, message in (failed | diverged).items()}))
     logger.info(f"every run ended after {trainer_step} trainer step(s)")
 
 
