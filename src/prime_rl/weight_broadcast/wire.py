@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 
 MAGIC = b"prime-rl store 1"
 NONCE_BYTES = 32
@@ -17,6 +18,15 @@ MAX_VALUE_BYTES = 64 << 10
 """Rendezvous values are a few hundred bytes (a member's addresses); control values a few dozen."""
 MAX_FRAME_BYTES = 2 * MAX_VALUE_BYTES + MAX_KEY_BYTES + 256
 MAX_WAIT_SECONDS = 3600.0
+BUSY = b"prime-rl store: busy, try again."
+"""What the server sends instead of its proof when it drops a handshake that is not at fault (pushed out by newer
+connections, past its deadline, the store full or closing): the client retries. Closing without a word after the
+client's answer means a wrong secret, which is never retried."""
+IDLE = b"idle"
+"""The server's last frame on a connection it closes for idleness; it reads no request after it, so a request that
+crossed it was not served and may be sent again on a new connection."""
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 6
+"""TCP keepalive on every store connection: a peer whose host died is noticed within about two minutes."""
 
 
 class StoreError(RuntimeError):
@@ -65,9 +75,32 @@ def _unpack(payload: bytes) -> list[bytes]:
     return fields
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
+def keep_alive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def time_left(sock: socket.socket, deadline: float | None) -> None:
+    """Set `sock`'s timeout to what is left before `deadline` (monotonic; None: no change). A timeout per `recv` let
+    a peer sending one byte at a time hold a call for minutes; a deadline does not."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
     data = bytearray()
     while len(data) < size:
+        time_left(sock, deadline)
         chunk = sock.recv(size - len(data))
         if not chunk:
             raise ConnectionError("the peer closed the connection")
@@ -83,18 +116,21 @@ class Channel:
         self.out_label, self.in_label = side, b"s" if side == b"c" else b"c"
         self.sent = self.received = 0
 
-    def send(self, fields: list[bytes]) -> None:
+    def send(self, fields: list[bytes], deadline: float | None = None) -> None:
+        """One frame, all of it sent by `deadline` (`sendall`'s timeout bounds the whole send)."""
         payload = _pack(fields)
         mac = sign(self.key, self.out_label, struct.pack(">Q", self.sent), payload)
         self.sent += 1
+        time_left(self.sock, deadline)
         self.sock.sendall(struct.pack(">I", len(payload)) + payload + mac)
 
-    def receive(self) -> list[bytes]:
-        (size,) = struct.unpack(">I", recv_exact(self.sock, 4))
+    def receive(self, deadline: float | None = None) -> list[bytes]:
+        """One frame, all of it received by `deadline`, however slowly the peer sends it."""
+        (size,) = struct.unpack(">I", recv_exact(self.sock, 4, deadline))
         if size > MAX_FRAME_BYTES:
             raise Malformed(f"a frame of {size} bytes exceeds the limit of {MAX_FRAME_BYTES}")
-        payload = recv_exact(self.sock, size)
-        mac = recv_exact(self.sock, MAC_BYTES)
+        payload = recv_exact(self.sock, size, deadline)
+        mac = recv_exact(self.sock, MAC_BYTES, deadline)
         if not hmac.compare_digest(mac, sign(self.key, self.in_label, struct.pack(">Q", self.received), payload)):
             raise StoreAuthError("a frame failed authentication")
         self.received += 1
