@@ -27,7 +27,7 @@ from prime_rl.utils.net import free_port
 from prime_rl.utils.secret import SECRET_VAR
 
 API_KEY = "test-key"
-RUN_SECRET = "integration-run-secret-" + secrets.token_hex(16)
+RUN_SECRET = secrets.token_hex(32)
 """The run secret the shared server and the stand-in trainers of the broadcast tests hold."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 QWEN3_SAMPLING_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}

@@ -186,7 +186,7 @@ def run_five_hosts(tmp_path: Path, network: Network) -> None:
         **os.environ,
         "INFERENCE_SERVER_API_KEY": KEY,
         "GLOO_SOCKET_IFNAME": ifname,
-        SECRET_VAR: "five-hosts-" + "7" * 32,
+        SECRET_VAR: "7f" * 32,
     }
     trainer = ["--deployment.roles", "[trainer]", "--deployment.trainer-nodes", "2", "--deployment.run-id", "t1"]
     trainer += ["--deployment.master-port", str(master_port)]

@@ -469,7 +469,7 @@ def test_two_runs_train_adapters_on_one_server(tied_server):
     merged, and counted at step n-1, though vLLM labels adapter tokens with the base's version ("base" = step 0, which
     k=0 would drop as stale). The base weights never change."""
     srv = tied_server
-    assert httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, timeout=120).status_code == 200
+    assert httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=120).status_code == 200
     steps = 3
     runs = {
         run: [

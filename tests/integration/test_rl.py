@@ -214,7 +214,7 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
     # A server caught receiving (or connecting to the dead trainer's store) fails that transfer within seconds and
     # loads weights again (it once stayed paused for 200 s, retrying the store).
-    r = httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, timeout=30)
+    r = httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=30)
     assert r.status_code == 200, r.text
 
 

@@ -7,6 +7,7 @@ nothing under the new label (nor anything at all: its weights are half new, half
 model are refused before any changes."""
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -30,9 +31,11 @@ KEY_VAR = "PRIME_TEST_BROADCAST_KEY"
 
 
 def start_sender(port: int, steps: dict[int, Path], *args: str, log: Path) -> subprocess.Popen:
-    """The stand-in trainer on `port`: the shared server's configured store address (one sender at a time)."""
+    """The stand-in trainer on `port`: the shared server's configured store address (one sender at a time), with the
+    shared server's run secret (given explicitly: a store client of this process took it out of our environment)."""
     cmd = [sys.executable, str(SENDER), "--port", str(port), *args, *(f"{s}={d}" for s, d in steps.items())]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, SECRET_VAR: RUN_SECRET}
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def servers_for(srv, port: int, tmp_path: Path) -> InferenceServers:
@@ -81,7 +84,7 @@ def test_a_broadcast_serves_exactly_what_a_filesystem_swap_of_the_same_weights_s
     try:
         assert sender.wait(60) == 0, log.read_text()
         info = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=10).json()
-        assert info == {"version": "step_1", "source": "broadcast", "workers": 1, "adapters": {}}
+        assert info == {"version": "step_1", "source": "broadcast", "workers": 1, "adapters": {}, "unknown": None}
         by_broadcast = outputs(srv)
         assert by_broadcast != base and by_broadcast[0]["versions"] == [{"version": "step_1", "start": 0, "end": 12}]
         r = admin(srv, "update_weights", {"weight_dir": str(srv.step_1), "version": "step_1"})
@@ -119,9 +122,10 @@ def test_a_trainer_dying_mid_transfer_leaves_nothing_served_under_the_new_label(
         elapsed = asyncio.run(scenario())
         assert sender.wait(30) == 7, log.read_text()
         assert elapsed < 30, elapsed  # gloo sees the dead peer at once; nothing waits for a timeout (60 s here)
-        assert httpx.get(health, timeout=10).json()["status"] == "weights_unknown"
+        assert httpx.get(health, timeout=10).status_code == 503
         info = httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=10).json()
         assert info["version"] == "step_1" and info["source"] is None  # never labelled step_2
+        assert "came by broadcast" in info["unknown"]
         body = {"model": str(srv.base), "token_ids": srv.prompt_ids, "sampling_params": {"max_tokens": 2}}
         r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=30)
         assert r.status_code == 503 and "weights are unknown" in r.json()["error"]["message"]
