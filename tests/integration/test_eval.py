@@ -209,3 +209,35 @@ def test_sigterm_mid_eval_cancels_the_rollouts_and_leaves_no_working_directory(t
     assert "Traceback" not in err + out, err[-3000:]
     assert sorted(p.name for p in runtimes.iterdir()) == []
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_evals_own_server_takes_a_fresh_token_that_nobody_else_holds(tied_server, tmp_path, monkeypatch):
+    """`eval --inference` serves on loopback, which is no boundary: any local user, or a web page's cross-site
+    `text/plain` POST, could swap the served weights of a server without a token (issue 52, finding 7). Its server
+    takes a fresh random token on stdin, which this process holds in memory (and, for verifiers' clients, in a
+    variable set after it started); the server's command line and environment hold none."""
+    from prime_rl.config.loader import load_config
+    from prime_rl.eval.config import EvalConfig
+    from prime_rl.eval.rollouts import start_inference
+    from prime_rl.utils.net import free_port
+    from prime_rl.utils.processes import stop_all
+
+    monkeypatch.setenv(KEY_VAR, "stale-value")  # restored after the test; eval replaces it with its server's token
+    port = free_port()
+    args = ["--output-dir", str(tmp_path), "--model.name", str(tied_server.base), "--client.api-key-var", KEY_VAR]
+    args += ["--inference", "--inference.server.port", str(port), "--inference.model.enforce-eager"]
+    config, _ = load_config(EvalConfig, "eval", args + ["--inference.model.max-model-len", "512"])
+    server = start_inference("eval", config, [])
+    try:
+        token, url = os.environ[KEY_VAR], f"http://127.0.0.1:{port}"
+        assert len(token) == 64 and int(token, 16) >= 0 and token != "stale-value"
+        assert httpx.get(f"{url}/health").status_code == 200  # public
+        assert httpx.get(f"{url}/weights").status_code == 401
+        forged = httpx.post(f"{url}/reload_weights", content=b"{}", headers={"Content-Type": "text/plain"})
+        assert forged.status_code == 401  # what a browser sends cross-site without asking
+        assert httpx.get(f"{url}/weights", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        pid = server.proc.pid
+        seen = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+        assert token.encode() not in seen
+    finally:
+        stop_all([server], grace=15.0)

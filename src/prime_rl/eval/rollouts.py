@@ -171,8 +171,8 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     # process's memory; the server takes part in no run's weight transfer, so it gets no store key.
     key = inference.server.api_key
     token = key.get_secret_value() if key is not None else new_secret()
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARS and k != config.client.api_key_var}
     hold_token(config.client.api_key_var, token)
-    env = {k: v for k, v in os.environ.items() if k not in KEY_VARS}
     log_dir = config.output_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     keys = RunKeys(http=token)
