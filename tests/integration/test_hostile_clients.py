@@ -9,6 +9,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -176,6 +177,16 @@ def test_broken_headers_from_a_trainer_are_refused_before_generation_pauses(
         if sender.poll() is None:
             sender.kill()
         assert admin(srv, "reload_weights").status_code == 200  # back to base for `unchanged`
+
+
+def test_no_key_is_on_the_servers_command_line_or_in_its_environment(tied_server):
+    """A command line is visible to every user of the machine (`ps`), and `/proc/<pid>/environ` to every process of
+    the same user: the shared server got its API key on stdin and its run secret by environment, which it took out
+    and wiped once read (issue 52, finding 10)."""
+    pid = tied_server.proc.pid
+    for name in ("cmdline", "environ"):
+        seen = Path(f"/proc/{pid}/{name}").read_bytes()
+        assert API_KEY.encode() not in seen and RUN_SECRET.encode() not in seen, name
 
 
 def test_the_server_refuses_to_start_open_beyond_loopback(tmp_path):

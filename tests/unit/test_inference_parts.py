@@ -339,6 +339,7 @@ def test_a_server_beyond_loopback_refuses_to_start_without_a_token_unless_told(h
     assert (problem is not None) == refused
     if refused:
         assert "--server.allow-unauthenticated" in problem and "PRIME_RL_SECRET" in problem
+        assert "--server.api-key" not in problem  # a key on a command line is visible to every user (`ps`)
 
 
 def test_a_directory_name_that_is_no_valid_version_label_needs_an_explicit_one(tmp_path):
