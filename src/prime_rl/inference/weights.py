@@ -3,7 +3,10 @@
 The shape checks read safetensors headers only (milliseconds); the finiteness check (`nonfinite_tensor`) reads every
 tensor, streamed a bounded chunk at a time: a NaN or inf in the weights would be served (and a request's non-finite
 activations could reach other requests, see `finite_kv`), so it is refused (422, naming the tensor) before anything
-pauses. Its cost: README "Non-finite weights".
+pauses. It sums each chunk (a finite sum proves every value finite; only a non-finite one is looked at element by
+element): ~20 GB/s from the page cache on one core here, 22 ms for a 135M-parameter float32 model (538 MB), 1 ms
+for the demo's 0.69M, next to milliseconds for the headers; from disk it reads at the disk's speed, and vLLM's load
+right after then reads the same pages from the cache.
 
 Allowed roots: a directory given by a request must resolve inside them, and so must every file in it that vLLM will
 read (a directory inside the roots may hold symlinks to files elsewhere). A file that resolves outside is refused
@@ -290,7 +293,7 @@ def dtypes_compatible(got: str, expected: str) -> bool:
 def check_weight_dir(weight_dir: str, roots: list[Path], expected: dict[str, TensorSpec]) -> Path:
     """Validate a `/update_weights` target; returns its resolved path or raises `WeightDirError`. The directory and
     every file vLLM will read from it must resolve inside `roots`, its tensors fit the served model's, and every
-    value must be finite (read in full, streamed: README "Non-finite weights" has the cost)."""
+    value must be finite (read in full, streamed: the module docstring has the cost)."""
     shown = clip(weight_dir)
     path = checked_dir(weight_dir, roots, "weight_dir")
     try:

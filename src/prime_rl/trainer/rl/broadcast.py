@@ -125,8 +125,18 @@ class WeightSender:
                 else:
                     logger.warning(f"weight broadcast of policy step {self.step} failed: {error}")
         self.seconds += time.perf_counter() - start
-        if refused is not None:  # every rank, once the servers were told why
+        if refused is not None:  # every rank, once the servers and the orchestrator were told why
+            if request is not None:
+                self._wait_read(served_key(request.id))
+            broadcast_object(None, self.world)  # the other ranks wait for rank 0 (a rank that exits ends them all)
             raise NonFiniteWeights(f"{refused}: the training diverged, nothing is sent")
+
+    def _wait_read(self, key: str) -> None:
+        """Rank 0: until the orchestrator has read (taken) `key`, at most `timeout` seconds: the store it reads from
+        goes when this process does, and the orchestrator must learn why rather than find the trainer gone."""
+        deadline = time.monotonic() + self.config.timeout
+        while self.table.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _refused(self, model: torch.nn.Module, dtype: torch.dtype) -> str | None:
         """Every rank (a collective, once per published step): why the model's weights cannot be sent, or None."""
