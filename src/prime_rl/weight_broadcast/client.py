@@ -35,10 +35,18 @@ CONNECT_SECONDS = 5.0
 RETRY_BACKOFF = (0.05, 1.0)
 """A refused or reset connection is tried again after 0.05 s, doubling to 1 s (each with jitter: half to all of it),
 until the connect deadline."""
+CONNECT_ATTEMPT_SECONDS = 0.25
+"""How long the first attempt waits for TCP to connect, doubling each time it runs out: a SYN that a full accept
+queue dropped is sent again by the kernel only after 1 s (then 3 s), a new attempt's at once."""
 
 
 class _Retry(Exception):
-    """A connection attempt that failed in a way another may not: nothing listening yet, reset, or turned away busy."""
+    """A connection attempt that failed in a way another may not: nothing listening yet, reset, or turned away busy
+    (`waited`: it ran out of time connecting, and is tried again at once)."""
+
+    def __init__(self, reason: str, waited: bool = False):
+        super().__init__(reason)
+        self.waited = waited
 
 
 class StoreClient:
@@ -75,28 +83,31 @@ class StoreClient:
 
     def _connect(self, deadline: float) -> None:
         """Connect and authenticate by `deadline`, trying again after a refusal, a reset or a busy store."""
-        delay, attempts = RETRY_BACKOFF[0], 0
+        delay, patience, attempts, last = RETRY_BACKOFF[0], CONNECT_ATTEMPT_SECONDS, 0, None
         while True:
+            if last is not None and deadline - time.monotonic() <= 0.0:
+                raise StoreUnavailable(
+                    f"no weight-broadcast store answered at {self.address} within {self.connect_timeout:g} s "
+                    f"({attempts} attempt(s); the last: {last})"
+                )
             attempts += 1
             try:
-                self.sock = self._attempt(deadline)
+                self.sock = self._attempt(deadline, patience)
                 return
             except _Retry as e:
-                left = deadline - time.monotonic()
-                if left <= 0.0:
-                    raise StoreUnavailable(
-                        f"no weight-broadcast store answered at {self.address} within {self.connect_timeout:g} s "
-                        f"({attempts} attempt(s); the last: {e})"
-                    ) from None
-                time.sleep(min(left, delay * random.uniform(0.5, 1.0)))
+                last = e
+                if e.waited:
+                    patience *= 2
+                    continue
+                time.sleep(max(0.0, min(deadline - time.monotonic(), delay * random.uniform(0.5, 1.0))))
                 delay = min(delay * 2, RETRY_BACKOFF[1])
 
-    def _attempt(self, deadline: float) -> socket.socket:
+    def _attempt(self, deadline: float, patience: float) -> socket.socket:
         left = deadline - time.monotonic()
-        if left <= 0.0:
-            raise StoreTimeout(f"the weight-broadcast store at {self.address} did not authenticate within 0 s")
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=left)
+            if left <= 0.0:
+                raise TimeoutError
+            sock = socket.create_connection((self.host, self.port), timeout=min(left, patience))
         except ConnectionRefusedError as e:
             if self.retry_refused:
                 raise _Retry(f"refused: {e}") from None
@@ -104,6 +115,8 @@ class StoreClient:
         except (ConnectionResetError, ConnectionAbortedError) as e:
             raise _Retry(f"reset: {e}") from None
         except TimeoutError:
+            if deadline - time.monotonic() > 0.0:
+                raise _Retry(f"no answer to connecting within {min(left, patience):.2g} s", waited=True) from None
             raise StoreTimeout(
                 f"the weight-broadcast store at {self.address} did not authenticate within {self.connect_timeout:g} s "
                 "(no answer to connecting)"

@@ -81,7 +81,9 @@ LINGER_SECONDS = 1.0
 REPORT_SECONDS = 5.0
 """Handshake failures are logged at once, then at most this often (counted per peer address in between)."""
 REPORT_SOURCES = 5
-LISTEN_BACKLOG = 1024
+LISTEN_BACKLOG = 4096
+"""Connections the kernel queues for `accept` (capped by net.core.somaxconn): a full queue drops a client's SYN,
+which costs it a 1 s retransmission."""
 ACCEPT_BATCH = 64
 ACCEPT_BACKOFF = (0.05, 1.0)
 """After a failed accept (e.g. out of file descriptors): seconds before accepting again, doubling to the second."""
@@ -298,6 +300,8 @@ class StoreServer:
         self.exempt = is_loopback
         """Sources with no per-source limit: on loopback every local process, the trainer's own clients included,
         shares one address, so only the global capacity and its eviction order protect them."""
+        self.exempt_sources: dict[str, bool] = {}
+        """`exempt`, remembered (it parses the address; the loop may see thousands of connections a second)."""
         self.audit = _Audit()
         self.closed = False
         self.last_warning = 0.0
@@ -411,19 +415,37 @@ class StoreServer:
         self.selector.unregister(self.listener)
         self.accept_resume = now + self.accept_backoff
 
+    def _is_exempt(self, source: str) -> bool:
+        exempt = self.exempt_sources.get(source)
+        if exempt is None:
+            if len(self.exempt_sources) >= MAX_SOURCES:
+                self.exempt_sources.clear()
+            exempt = self.exempt_sources[source] = self.exempt(source)
+        return exempt
+
     def _start_handshake(self, sock: socket.socket, source: str) -> None:
         nonce = os.urandom(NONCE_BYTES)
+        sent = 0
         try:
             sock.setblocking(False)
-            sent = sock.send(MAGIC + nonce)  # a fresh connection's send buffer always holds it
+            # Nothing to read before our greeting: an end of stream is a peer gone already (a flood connecting and
+            # hanging up), closed here at the least cost, before the greeting is sent and the socket is watched.
+            gone = sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            gone = False
         except OSError:
-            sent = 0
+            gone = True
+        if not gone:
+            try:
+                sent = sock.send(MAGIC + nonce)  # a fresh connection's send buffer always holds it
+            except OSError:
+                pass
         if sent != len(MAGIC) + NONCE_BYTES:
             sock.close()
             self.audit.count(source, "hung up")
             return
         now = time.monotonic()
-        if not self.exempt(source):
+        if not self._is_exempt(source):
             cap = MAX_HANDSHAKES_PER_SOURCE
             window = self.failures.get(source)
             if window is not None and now - window[0] <= FAILURE_WINDOW and window[1] >= FAILING_SOURCE_FAILURES:
@@ -450,7 +472,7 @@ class StoreServer:
         except OSError:
             chunk = b""
         if not chunk:
-            self._drop(p, "hung up")
+            self._drop(p, "hung up", farewell=b"")
             return
         p.answer += chunk
         if len(p.answer) < NONCE_BYTES + MAC_BYTES:
@@ -500,7 +522,7 @@ class StoreServer:
         if reason is None:
             return
         self.audit.count(p.source, reason)
-        if reason != "refused" and not self.exempt(p.source):
+        if reason != "refused" and not self._is_exempt(p.source):
             now = time.monotonic()
             window = self.failures.get(p.source)
             if window is None or now - window[0] > FAILURE_WINDOW:
