@@ -223,7 +223,8 @@ class StoreClient:
         """Whether anything (a frame, a close, a reset) waits on the connection, without waiting for it."""
         self.sock.settimeout(0.0)
         try:
-            return self.sock.recv(1, socket.MSG_PEEK) is not None
+            self.sock.recv(1, socket.MSG_PEEK)  # a byte, or b"" for a close
+            return True
         except BlockingIOError:
             return False
         except OSError:

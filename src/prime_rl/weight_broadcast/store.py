@@ -349,7 +349,10 @@ class StoreServer:
                     time.sleep(0.05)
         finally:
             for p in list(self.pending.values()):
-                self._drop(p, None)
+                try:
+                    self._drop(p, None)
+                except Exception:
+                    p.sock.close()
             self.selector.close()
             self.listener.close()
             self.wake_reader.close()

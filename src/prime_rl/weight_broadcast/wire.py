@@ -76,6 +76,7 @@ def _unpack(payload: bytes) -> list[bytes]:
 
 
 def keep_alive(sock: socket.socket) -> None:
+    """An authenticated connection's options: frames go out at once (they are small), and a dead peer is found."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
