@@ -130,7 +130,7 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     worker would (`prime_rl.weight_broadcast`), and gets exactly the trainer's parameters in bf16."""
     from prime_rl.utils.net import free_port
 
-    monkeypatch.setenv("PRIME_RL_SECRET", "gpu-test-secret-0123456789")  # the sender's; the receiver names it
+    monkeypatch.setenv("PRIME_RL_SECRET", "9c" * 32)  # the sender's; the receiver derives the store key from it
     port = free_port()
     receiver = """
     import sys, time, torch
@@ -138,11 +138,12 @@ def test_nccl_weight_broadcast_trainer_side_delivers_exact_weights(tmp_path, mon
     from prime_rl.weight_broadcast.transfer import agree, join_group, receive_header, receive_tensors
     from prime_rl.weight_broadcast.client import StoreClient
     from prime_rl.weight_broadcast.wire import StoreError
+    from prime_rl.utils.secret import STORE_PURPOSE, derive
     port, out = int(sys.argv[1]), sys.argv[2]
     deadline = time.monotonic() + 60
     while True:  # the sender starts its store
         try:
-            store = StoreClient("127.0.0.1", port, "gpu-test-secret-0123456789", 60)
+            store = StoreClient("127.0.0.1", port, derive("9c" * 32, STORE_PURPOSE), 60)
             break
         except StoreError as e:
             assert time.monotonic() < deadline, f"the sender's store never answered: {e}"

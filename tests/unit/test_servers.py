@@ -133,3 +133,21 @@ def test_a_server_that_returns_after_its_policy_was_pruned_moves_everyone_to_the
         ("prime_load_weights", str((out / "broadcasts" / "step_5").resolve())),
         ("version", "step_5"),
     ]
+
+
+def test_the_trainers_word_on_this_run_is_read_only_when_newer_than_the_orchestrators_config(tmp_path):
+    """A LoRA trainer that ends a run (its adapter diverged) or refuses it (its config is invalid) writes why to
+    `configs/trainer_error.txt`: the orchestrator stops with that instead of waiting out `stall_timeout` for a policy
+    that will never come. A file older than its own config is an earlier launch's, and ignored."""
+    import os
+
+    servers = InferenceServers([f"http://127.0.0.1:{free_port()}/v1"], "NO_SUCH_KEY_VAR", 5, tmp_path)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "trainer_error.txt").write_text("the trainer ended this run: it diverged at step 3 (in x)\n")
+    os.utime(configs / "trainer_error.txt", (1_000_000, 1_000_000))  # written by an earlier launch
+    (configs / "orchestrator.toml").write_text("")
+    assert servers.trainer_error() is None
+    (configs / "trainer_error.txt").write_text("the trainer ended this run: it diverged at step 5 (in y)\n")
+    assert servers.trainer_error() == "the trainer ended this run: it diverged at step 5 (in y)"
+    asyncio.run(servers.close())

@@ -241,6 +241,8 @@ class Scheduler:
         while (latest := await self.servers.latest_published()) < step:
             await asyncio.sleep(self.weights_poll)
             self._check_fatal()
+            if (ended := self.servers.trainer_error()) is not None:
+                raise StallError(f"{why}, but the trainer will not publish it: {ended}")
             now = time.monotonic()
             if now - start > self.config.stall_timeout:
                 raise StallError(

@@ -274,6 +274,17 @@ class InferenceServers:
         in_memory = await asyncio.to_thread(self.broadcast.published) if self.broadcast is not None else 0
         return max(steps + [in_memory], default=0)
 
+    def trainer_error(self) -> str | None:
+        """Why a LoRA trainer ended or refused this run (`configs/trainer_error.txt`: its adapter diverged, its config
+        is invalid), when it wrote so since this orchestrator wrote its config; an older file is an earlier launch's."""
+        configs = self.output_dir / "configs"
+        try:
+            if (configs / "trainer_error.txt").stat().st_mtime < (configs / "orchestrator.toml").stat().st_mtime:
+                return None
+            return (configs / "trainer_error.txt").read_text(errors="replace").strip()[:2000]
+        except OSError:
+            return None
+
     def where(self, step: int) -> str:
         """Where `pi_step` will appear, for messages."""
         path = self.weight_dir(step) / "STABLE"

@@ -42,7 +42,14 @@ from prime_rl.trainer.scaffold import (
     next_rows,
     trainer_process,
 )
-from prime_rl.trainer.weights import STABLE, broadcast_dir, full_state_dict, prune_broadcasts, save_hf_dir
+from prime_rl.trainer.weights import (
+    STABLE,
+    NonFiniteWeights,
+    broadcast_dir,
+    full_state_dict,
+    prune_broadcasts,
+    save_hf_dir,
+)
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
 from prime_rl.utils.secret import take_keys_at_start
@@ -51,7 +58,7 @@ from prime_rl.utils.secret import take_keys_at_start
 def main(argv: list[str] | None = None) -> None:
     take_keys_at_start("trainer")  # first: nothing this process starts may inherit the secret (`utils.secret`)
     config, _ = load_config(TrainerConfig, "trainer", argv)
-    with trainer_process("trainer", config, BATCH_ERRORS) as (world, monitor):
+    with trainer_process("trainer", config, (*BATCH_ERRORS, NonFiniteWeights)) as (world, monitor):
         if config.model.lora is not None:
             train_lora(config, world, monitor)
         else:
@@ -196,7 +203,7 @@ def publish(
         sender.publish(step)
     due = run.ckpt is not None and run.ckpt.config.due(step, max_steps)
     if sender is None or due or step == max_steps:
-        state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
+        state = full_state_dict(run.model, run.export_dtype, f"policy step {step}")  # a collective; empty off rank 0
         if world.is_main:
             save_hf_dir(state, run.model.config, tokenizer, broadcast_dir(config.output_dir, step), STABLE,
                         run.model.generation_config)  # fmt: skip

@@ -48,7 +48,7 @@ from prime_rl.trainer.scaffold import (
 )
 from prime_rl.trainer.sft.config import ChatDataConfig, SFTConfig
 from prime_rl.trainer.sft.data import ChatStream, DataError, DataState, fake_samples, load_examples
-from prime_rl.trainer.weights import full_state_dict, save_hf_dir, weights_dir
+from prime_rl.trainer.weights import NonFiniteWeights, full_state_dict, save_hf_dir, weights_dir
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
 
@@ -138,7 +138,7 @@ def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: 
             logger.info(f"exported the LoRA adapter to {target}")
         dist.barrier()
         return
-    state = full_state_dict(run.model, run.export_dtype)  # a collective; empty on ranks other than 0
+    state = full_state_dict(run.model, run.export_dtype, f"the export to {target}")  # a collective; empty off rank 0
     if world.is_main:
         save_hf_dir(state, run.model.config, tokenizer, target, generation_config=run.model.generation_config)
         logger.info(f"exported weights to {target}")
@@ -148,7 +148,7 @@ def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: 
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SFTConfig, "sft", argv)
-    with trainer_process("sft", config, DATA_ERRORS) as (world, monitor):
+    with trainer_process("sft", config, (*DATA_ERRORS, NonFiniteWeights)) as (world, monitor):
         fine_tune(config, world, monitor)
     exit_finished()
 
