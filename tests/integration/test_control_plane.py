@@ -1,7 +1,9 @@
 """The control plane under attack, end to end: `rl` on the shared server while strangers flood and trickle the trainer's
-weight-broadcast store, and a model-written command in a `bash`-harness seat (verifiers' default `subprocess` runtime)
-looks for the run's keys everywhere a process of the same user can look without a debugger: its environment and
-every process's initial environment (`/proc/<pid>/environ`, which `ps e` shows too).
+weight-broadcast store (`tests/unit/store_attacker.py`, without the run secret), and a model-written command in a
+`bash`-harness seat (verifiers' default `subprocess` runtime) looks for the run's keys everywhere a process of the
+same user can look without a debugger: its environment and every process's initial environment
+(`/proc/<pid>/environ`, which `ps e` shows too). Before issue 52 either attack alone stopped the run (every broadcast
+answered 502; no step for 240 s), and the command printed the run secret in full.
 
 The random tiny model writes no command on its own: the seat's sampling carries a structured-output regex that is the
 one tool call (as `test_tool_envs` does), which the server samples token by token and the renderer parses."""
@@ -9,6 +11,10 @@ one tool call (as `test_tool_envs` does), which the server samples token by toke
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,32 @@ from prime_rl.utils.secret import derive_keys
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
+ATTACKER = HERE.parent / "unit" / "store_attacker.py"
+ATTACKS = (["flood", "--threads", "64"], ["trickle", "--connections", "64", "--every", "2"])
+"""A reconnect flood (64 threads connecting and closing as fast as they can) and a slow trickle (64 connections, a
+byte every 2 s): each alone held every handshake slot of the store before issue 52."""
+
+
+def attack_when_listening(port: int, log: Path, timeout: float = 300) -> list[subprocess.Popen]:
+    """The attackers, started once the trainer's store listens on `port` (a trickle opened against a closed port would
+    just be refused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"the trainer's store never listened:\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+    return [
+        subprocess.Popen(
+            [sys.executable, str(ATTACKER), *attack[:1], "127.0.0.1", str(port), "--seconds", "600", *attack[1:]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for attack in ATTACKS
+    ]
 
 
 def regex_literal(text: str) -> str:
@@ -47,7 +79,9 @@ def bash_seat_env(srv, out_dir: Path) -> dict:
     }
 
 
-def test_no_model_written_command_finds_a_key_of_the_run(tied_server, tmp_path, monkeypatch):
+def test_a_run_under_store_attack_keeps_stepping_and_no_model_written_command_finds_a_key(
+    tied_server, tmp_path, monkeypatch
+):
     srv = tied_server
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     out = srv.root / "rl" / "control-plane"
@@ -60,10 +94,21 @@ def test_no_model_written_command_finds_a_key_of_the_run(tied_server, tmp_path, 
     log = out.parent / "control-plane.log"
     args = ["--orchestrator.model.renderer", json.dumps(RENDERER), "--orchestrator.sampling.max-tokens", "200"]
     proc = start_rl(config, *args, log=log)
-    assert wait_rl(proc, 600) == 0, log.read_text()[-4000:]
+    attackers = attack_when_listening(srv.broadcast_port, log)
+    try:
+        assert wait_rl(proc, 600) == 0, log.read_text()[-4000:]
+    finally:
+        for attacker in attackers:
+            attacker.terminate()
+    summaries = [json.loads(a.communicate(timeout=60)[0].splitlines()[-1]) for a in attackers]
+    assert summaries[0]["connections"] > 1000 and summaries[1]["opened"] >= 64, summaries  # the attack was on
     assert trainer_steps(out) == [1, 2, 3]
     rows = orchestrator_metrics(out)
     assert rows and all(m["errors"] == 0 for m in rows), rows
+    orchestrator_log = (out / "logs" / "orchestrator.log").read_text()
+    assert re.search(r"policy step \d+ -> \d+ on 1 server", orchestrator_log)  # weights went by broadcast meanwhile
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert re.search(r"connection\(s\) from 127\.0\.0\.1 did not authenticate", trainer_log)  # the operator sees it
 
     keys = derive_keys(RUN_SECRET)  # what `rl` derived from the secret it was given, as the server did
     seen = [p.read_bytes() for p in seen_dir.glob("seen-*")]

@@ -274,6 +274,7 @@ class FakeKubeAPI(http.server.BaseHTTPRequestHandler):
         ],
         "apps/v1": [("statefulsets", "StatefulSet")],
         "batch/v1": [("jobs", "Job")],
+        "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy")],
     }
 
     def body(self, path: str) -> dict | None:
@@ -408,3 +409,27 @@ def test_the_image_installs_the_locked_environment_with_rl_on_path(tmp_path, gro
     assert f" + {vllm}\n" in planned and " + reverse-text==" in planned
     assert " + pytest==" not in planned  # no dev tools in the image
     assert "rl" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_only_the_releases_pods_may_connect_to_the_pods_that_host_the_store(helm):
+    """Issue 52: the trainer's Service exposed the weight-broadcast store (and torchrun's unauthenticated rendezvous)
+    to every pod of the cluster. A NetworkPolicy now admits only this release's pods to the trainer pods, or to the
+    one `rl` pod; the inference servers, which clients reach, are left open (their routes need the token)."""
+    for case, extra in (("default", []), ("default", ["--set", "launcher=rl"])):
+        (policy,) = by_kind(render(helm, case, *extra), "NetworkPolicy").values()
+        release = {"app.kubernetes.io/name": "prime-rl", "app.kubernetes.io/instance": "exp"}
+        selector = policy["spec"]["podSelector"]
+        assert selector["matchLabels"] == release
+        assert selector["matchExpressions"] == [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": ["trainer", "rl"]}
+        ]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    selected = [labels for labels in pod_labels(render(helm, "default")) if labels.get("app.kubernetes.io/component")]
+    components = {labels["app.kubernetes.io/component"] for labels in selected}
+    assert "trainer" in components and "inference" in components  # the labels the policy selects by are the pods'
+    assert not by_kind(render(helm, "default", "--set", "networkPolicy.enabled=false"), "NetworkPolicy")
+
+
+def pod_labels(docs: list[dict]) -> list[dict]:
+    return [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in ("StatefulSet", "Job")]
