@@ -35,7 +35,9 @@ def test_a_policy_with_a_nan_is_refused_by_the_server_and_the_trainer_stops(tied
         try:
             await servers.wait_healthy()
             await published(servers, 1, sender, log)
-            with pytest.raises(ServerError, match=rf"422.*broadcast refused: the trainer sends no weights: {re.escape(why)}"):
+            with pytest.raises(
+                ServerError, match=rf"422.*broadcast refused: the trainer sends no weights: {re.escape(why)}"
+            ):
                 await servers.load_policy(1)
         finally:
             await servers.close(finished=True)

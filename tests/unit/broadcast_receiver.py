@@ -29,7 +29,9 @@ def main() -> None:
         try:
             if key not in groups:
                 groups.clear()
-                store = StoreClient(settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"])
+                store = StoreClient(
+                    settings["host"], settings["port"], bytes.fromhex(settings["key"]), settings["timeout"]
+                )
                 assert read_session(store, 5)["id"] == spec["session"], "stale session"
                 group = join_group(store, spec["group"], spec["rank"], spec["world_size"], "gloo", settings["timeout"])
                 groups[key] = (store, group)

@@ -251,7 +251,9 @@ def test_admin_key_is_checked_before_the_body(tmp_path):
     assert client.post("/reload_weights", headers={"Authorization": "Bearer k"}, json={}).status_code == 200
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
 def test_admin_requests_without_a_json_content_type_get_415_and_change_nothing(tmp_path, content_type):
     """A web page can make a browser POST cross-site without asking first only with these types (a `text/plain` body
     was parsed as JSON, issue 52 finding 7): every admin route refuses them, even with an empty body, before
