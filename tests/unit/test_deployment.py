@@ -168,6 +168,57 @@ def test_rollout_workers_close_before_they_started(tmp_path):
     asyncio.run(workers.close(grace=0.1))
 
 
+def test_the_rollout_workers_socket_takes_nothing_from_a_local_stranger(tmp_path):
+    """The orchestrator's socket to its workers listens on loopback, which the code a model writes reaches too: a
+    finished group of a stranger's making would be trained on, a stranger's `Failed` would end the run, a message
+    that does not parse crashed it. Only a connection whose first message carries the orchestrator's channel token
+    (its workers get it at spawn) is heard; here two DEALERs stand in for a stranger and a worker, on the real socket."""
+    import asyncio
+
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.orchestrator.messages import Failed, GroupDone, Ready, RolloutResult
+    from prime_rl.orchestrator.worker import RolloutWorkers
+
+    workers = RolloutWorkers(OrchestratorConfig(output_dir=tmp_path, workers=1), tmp_path, "info")
+    address = workers.processes[0]._args[2]
+    encode = msgspec.msgpack.Encoder().encode
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        stranger, worker = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+        for sock in (stranger, worker):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        try:
+            for message in (b"\x00not msgpack", encode(Failed(worker=0, message="stop", proof=b"")),
+                            encode(Ready(worker=0, proof=bytes(32)))):  # fmt: skip
+                await stranger.send(message)
+            await asyncio.sleep(0.2)  # queued before the worker's Ready
+            await worker.send(encode(Ready(worker=0, proof=workers.proof)))
+            await workers.ready(timeout=10)  # no exception: the stranger's Failed ended nothing
+            assert list(workers.identities) == [0] and len(workers.workers) == 1
+            workers.owner[7], workers.pending[0] = 0, 1  # group 7 is in flight on worker 0
+            await stranger.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=1.0, samples=[])])))
+            await stranger.send(encode(Ready(worker=0, proof=workers.proof)))  # a stolen token: the seat is taken
+            await stranger.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=1.0, samples=[])])))
+            assert [await workers.receive(5) for _ in range(3)] == [None, None, None]
+            assert workers.owner == {7: 0} and list(workers.workers.values()) == [0]
+            await worker.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=0.25, samples=[])])))
+            done = await workers.receive(5)
+            assert done.rollouts[0].reward == 0.25 and workers.pending[0] == 0 and workers.owner == {}
+        finally:
+            stranger.close()
+            worker.close()
+            context.term()
+            await workers.close(grace=0.1)
+
+    asyncio.run(scenario())
+
+
 def test_a_request_refused_while_the_in_process_worker_closes_logs_no_warning_and_one_after_does(tmp_path, caplog):
     """A group cancelled at the end of a run ends its rollouts' sessions while a request their harness already sent is
     still on its way: the interception server refuses it and would warn once per rollout (8 warnings at the end of

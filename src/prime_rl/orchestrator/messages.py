@@ -87,11 +87,15 @@ class GroupDone(msgspec.Struct, tag=True):
 
 class Ready(msgspec.Struct, tag=True):
     worker: int
+    proof: bytes
+    """The orchestrator's random channel token, given to its workers at spawn: the socket listens on loopback, where
+    any local process (the code a model writes, among them) can connect; only a worker knows it."""
 
 
 class Failed(msgspec.Struct, tag=True):
     worker: int
     message: str
+    proof: bytes
 
 
 ToWorker = RunGroup | PolicyServed | Shutdown

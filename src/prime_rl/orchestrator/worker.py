@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -193,7 +195,7 @@ def install_worker_patches(level: str) -> None:
     install_speed_patches()
 
 
-async def _serve(config, index: int, address: str) -> None:
+async def _serve(config, index: int, address: str, proof: bytes) -> None:
     import zmq
     import zmq.asyncio
 
@@ -205,7 +207,7 @@ async def _serve(config, index: int, address: str) -> None:
     try:
         worker = Worker(config, index, training=True)
     except Exception as e:
-        await socket.send(encoder.encode(Failed(worker=index, message=str(e))))
+        await socket.send(encoder.encode(Failed(worker=index, message=str(e), proof=proof)))
         await asyncio.sleep(0.5)  # let zmq flush before the process exits
         raise SystemExit(1) from None
     parent = os.getppid()
@@ -218,7 +220,7 @@ async def _serve(config, index: int, address: str) -> None:
 
         exit_when_parent_changes(parent)  # orphaned (orchestrator killed): exit instead of lingering
         freeze_setup_objects()
-        await socket.send(encoder.encode(Ready(worker=index)))
+        await socket.send(encoder.encode(Ready(worker=index, proof=proof)))
         running: set[asyncio.Task] = set()
         sigterm = SigtermCancels()  # SIGTERM reaches us with the orchestrator's process group
         try:
@@ -251,10 +253,10 @@ def hold_token(api_key_var: str, token: str | None) -> None:
 
 
 def worker_main(
-    config_json: str, index: int, address: str, log_dir: str | None, level: str, token: str | None = None
+    config_json: str, index: int, address: str, log_dir: str | None, level: str, proof: bytes, token: str | None
 ) -> None:
-    """Entry point of a spawned worker process; `token`: the servers' bearer token (a spawn argument: it reaches the
-    worker through the spawn pipe, never by environment)."""
+    """Entry point of a spawned worker process; `proof`: the orchestrator's channel token (`Ready.proof`), `token`:
+    the servers' bearer token (spawn arguments: they reach the worker through the spawn pipe, never by environment)."""
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.utils.logging import setup_logging
 
@@ -263,7 +265,7 @@ def worker_main(
     setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
     install_worker_patches(level)
     try:
-        asyncio.run(_serve(config, index, address))
+        asyncio.run(_serve(config, index, address, proof))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM with the orchestrator's process group
         pass
     sys.exit(0)
@@ -274,7 +276,14 @@ def worker_main(
 
 
 class RolloutWorkers:
-    """`config.workers` spawned worker processes behind one ZeroMQ ROUTER socket."""
+    """`config.workers` spawned worker processes behind one ZeroMQ ROUTER socket.
+
+    The socket listens on loopback, which any local process reaches, the code a model writes included: a stranger
+    could send a finished group of its own making (rewards and tokens the trainer would train on), or a failure that
+    ends the run. So a connection counts only once its first message, `Ready` or `Failed`, carries this
+    orchestrator's random channel token, which its workers get at spawn; anything else, a message that does not
+    parse included, is dropped (and logged, at most once a minute). ZeroMQ names each connection itself and refuses
+    a peer's own name that could pass for one of those, so one connection cannot speak for another."""
 
     def __init__(self, config, log_dir: Path | None, level: str):
         import multiprocessing
@@ -290,16 +299,21 @@ class RolloutWorkers:
         spawn = multiprocessing.get_context("spawn")
         config_json = config.model_dump_json()
         token = client_token(config.client.api_key_var)
+        self.proof = secrets.token_bytes(32)
+        address, logs = f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None
         self.processes = [
             spawn.Process(
                 target=worker_main,
-                args=(config_json, i, f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None, level, token),
+                args=(config_json, i, address, logs, level, self.proof, token),
                 name=f"rollout-worker-{i}",
                 daemon=True,
             )
             for i in range(config.workers)
         ]
         self.identities: dict[int, bytes] = {}
+        self.workers: dict[bytes, int] = {}
+        """Connection -> worker index, for the connections that proved they are our workers."""
+        self.last_warning = 0.0
         self.pending = {i: 0 for i in range(config.workers)}
         self.owner: dict[int, int] = {}  # group id -> worker index
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(FromWorker)
@@ -319,12 +333,7 @@ class RolloutWorkers:
                 raise RuntimeError(f"rollout workers not ready after {timeout:.0f}s")
             if not await self.socket.poll(1000):
                 continue
-            identity, payload = await self.socket.recv_multipart()
-            message = self.decoder.decode(payload)
-            if isinstance(message, Failed):
-                raise RuntimeError(f"rollout worker {message.worker}: {message.message}")
-            if isinstance(message, Ready):
-                self.identities[message.worker] = identity
+            await self._next()
 
     def check_alive(self) -> None:
         for i, process in enumerate(self.processes):
@@ -347,14 +356,42 @@ class RolloutWorkers:
         if not await self.socket.poll(int(timeout * 1000)):
             self.check_alive()
             return None
-        _, payload = await self.socket.recv_multipart()
-        message = self.decoder.decode(payload)
-        if isinstance(message, Failed):
-            raise RuntimeError(f"rollout worker {message.worker}: {message.message}")
-        if isinstance(message, GroupDone):
+        message = await self._next()
+        if isinstance(message, GroupDone) and message.id in self.owner:
             self.pending[self.owner.pop(message.id)] -= 1
             return message
         return None
+
+    async def _next(self) -> FromWorker | None:
+        """The next message, if it comes from one of our workers (else None, and it is dropped): a connection proves
+        itself with its first message (`Ready`, or `Failed` when the worker could not start). A failure ends the
+        run."""
+        frames = await self.socket.recv_multipart()
+        try:
+            identity, payload = frames
+            message = self.decoder.decode(payload)
+        except (ValueError, msgspec.DecodeError):
+            return self._stranger(f"a message that does not parse ({len(frames)} frame(s))")
+        worker = self.workers.get(identity)
+        if worker is None:
+            proven = isinstance(message, Ready | Failed) and hmac.compare_digest(message.proof, self.proof)
+            if not proven or not 0 <= message.worker < len(self.processes) or message.worker in self.identities:
+                return self._stranger(f"a {type(message).__name__} from a connection that is not our worker's")
+            worker = message.worker
+            if isinstance(message, Ready):
+                self.workers[identity], self.identities[worker] = worker, identity
+        if isinstance(message, Failed):
+            raise RuntimeError(f"rollout worker {worker}: {message.message}")
+        return message
+
+    def _stranger(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self.last_warning > 60:
+            self.last_warning = now
+            logger.warning(
+                f"rollout workers' socket: dropped {what}; some local process is connecting to it (logged once a "
+                "minute)"
+            )
 
     async def close(self, grace: float = 5.0) -> None:
         for identity in self.identities.values():
