@@ -8,6 +8,7 @@ answered 502; no step for 240 s), and the command printed the run secret in full
 The random tiny model writes no command on its own: the seat's sampling carries a structured-output regex that is the
 one tool call (as `test_tool_envs` does), which the server samples token by token and the renderer parses."""
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import tomli_w
 from conftest import RUN_SECRET
@@ -63,8 +65,9 @@ def regex_literal(text: str) -> str:
 
 def bash_seat_env(srv, out_dir: Path) -> dict:
     """A seat whose harness is verifiers' `bash` agent on the default runtime, made to run one command: write its
-    environment and every process's initial environment to a file of its own under `out_dir`."""
-    command = f"(env; cat /proc/[0-9]*/environ) > {out_dir}/seen-$$ 2>/dev/null"
+    environment and every process's initial environment to a file of its own under `out_dir` (`part-*` until complete:
+    the end of the run may stop a command midway)."""
+    command = f"cd {out_dir}; (env; cat /proc/[0-9]*/environ) > part-$$ 2>/dev/null; mv part-$$ seen-$$"
     arguments = regex_literal(json.dumps({"command": command}))
     sampling = {
         "structured_outputs": {"regex": call("bash", arguments)},
@@ -100,6 +103,9 @@ def test_a_run_under_store_attack_keeps_stepping_and_no_model_written_command_fi
     finally:
         for attacker in attackers:
             attacker.terminate()
+        # The session's shared server goes back to its own weights for the tests after this one.
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=60)
     summaries = [json.loads(a.communicate(timeout=60)[0].splitlines()[-1]) for a in attackers]
     assert summaries[0]["connections"] > 1000 and summaries[1]["opened"] >= 64, summaries  # the attack was on
     assert trainer_steps(out) == [1, 2, 3]
@@ -112,8 +118,9 @@ def test_a_run_under_store_attack_keeps_stepping_and_no_model_written_command_fi
 
     keys = derive_keys(RUN_SECRET)  # what `rl` derived from the secret it was given, as the server did
     seen = [p.read_bytes() for p in seen_dir.glob("seen-*")]
-    assert seen, "the model-written command never ran"
+    assert seen, "the model-written command never ran to the end"
     for text in seen:
         assert b"PATH=" in text and b"PRIME_RL_LAUNCHER_PID=" in text  # it did read environments, the run's among them
+    for text in seen + [p.read_bytes() for p in seen_dir.glob("part-*")]:
         for value in (RUN_SECRET, keys.store.hex(), keys.http):
             assert value.encode() not in text

@@ -75,6 +75,8 @@ def test_results_and_summary_agree(tied_server, tmp_path):
 
 def test_base_an_adapter_and_two_saved_steps_in_one_server_lifetime(tied_server, tmp_path):
     srv = tied_server
+    # The server is shared by the session: earlier tests may have left trained weights on it. Start from its own.
+    assert httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=60).status_code == 200
     weights = srv.root / "eval_weights"
     perturb_weights(srv.base, weights / "step_1", scale=8.0, seed=1)
     perturb_weights(srv.base, weights / "step_2", scale=8.0, seed=2)

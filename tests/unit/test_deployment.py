@@ -186,6 +186,9 @@ def test_the_rollout_workers_socket_takes_nothing_from_a_local_stranger(tmp_path
     workers = RolloutWorkers(OrchestratorConfig(output_dir=tmp_path, workers=1), tmp_path, "info")
     address = workers.processes[0]._args[2]
     encode = msgspec.msgpack.Encoder().encode
+    dropped: list[str] = []
+    drop = workers._stranger
+    workers._stranger = lambda what: dropped.append(what) or drop(what)
 
     async def scenario() -> None:
         context = zmq.asyncio.Context()
@@ -194,18 +197,22 @@ def test_the_rollout_workers_socket_takes_nothing_from_a_local_stranger(tmp_path
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         try:
+            # Each batch of the stranger's is read to the end before the worker speaks: the socket takes turns
+            # between connections, so a queued stranger's message could otherwise come after the worker's.
             for message in (b"\x00not msgpack", encode(Failed(worker=0, message="stop", proof=b"")),
                             encode(Ready(worker=0, proof=bytes(32)))):  # fmt: skip
                 await stranger.send(message)
-            await asyncio.sleep(0.2)  # queued before the worker's Ready
+            assert [await workers.receive(5) for _ in range(3)] == [None, None, None]  # the Failed ended nothing
+            assert len(dropped) == 3
             await worker.send(encode(Ready(worker=0, proof=workers.proof)))
-            await workers.ready(timeout=10)  # no exception: the stranger's Failed ended nothing
+            await workers.ready(timeout=10)
             assert list(workers.identities) == [0] and len(workers.workers) == 1
             workers.owner[7], workers.pending[0] = 0, 1  # group 7 is in flight on worker 0
             await stranger.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=1.0, samples=[])])))
             await stranger.send(encode(Ready(worker=0, proof=workers.proof)))  # a stolen token: the seat is taken
             await stranger.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=1.0, samples=[])])))
             assert [await workers.receive(5) for _ in range(3)] == [None, None, None]
+            assert len(dropped) == 6
             assert workers.owner == {7: 0} and list(workers.workers.values()) == [0]
             await worker.send(encode(GroupDone(id=7, rollouts=[RolloutResult(reward=0.25, samples=[])])))
             done = await workers.receive(5)
