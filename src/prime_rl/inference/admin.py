@@ -9,7 +9,7 @@ Routes (every one needs the server's token, see `prime_rl.inference.access`):
                                                             -> {"status", "lora_name", "version", "seconds"}
   POST /unload_lora_adapter {"lora_name": str}              -> {"status", "lora_name"}
   GET  /weights                                             -> {"version", "source", "workers", "adapters"}
-Status codes: see README "Swapping weights by hand" and "LoRA adapters".
+Status codes: see docs/inference.md, "Swapping weights by hand" and "LoRA adapters".
 """
 
 from __future__ import annotations
@@ -30,32 +30,16 @@ from prime_rl.inference.swapper import (
     WEIGHTS_UNKNOWN,
     BroadcastNotStarted,
     BroadcastRefused,
+    BroadcastSpec,
     WeightsUnknownError,
     WeightSwapper,
 )
 from prime_rl.inference.weights import WeightDirError, check_weight_dir, clip
-from prime_rl.weight_broadcast.protocol import MAX_MEMBERS
 from prime_rl.weight_broadcast.wire import StoreAuthError, StoreError
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$"
 """Version labels: echoed in every generate reply and written to the log, so short and of plain characters only."""
 RESERVED_VERSION = f"version {WEIGHTS_UNKNOWN!r} is reserved for weights a failed load left unknown"
-
-
-class BroadcastSpec(BaseModel):
-    """Which transfer to receive and as whom (see `prime_rl.weight_broadcast.protocol`); the orchestrator sends it.
-    Where the trainer's store is, and the backend, are the server's own configuration, never a request's."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)  # "1" or true is no rank
-
-    session: str = Field(pattern=r"^[0-9a-f]{32}$")
-    """The trainer process's session id, as its store names it (a request for an earlier trainer is refused)."""
-    group: str = Field(pattern=r"^[0-9a-f]{32}$")
-    """The transfer group's id (the orchestrator makes a new one whenever the receiving servers change)."""
-    rank: int = Field(ge=1, lt=MAX_MEMBERS)
-    """Group rank of this server's first worker (the trainer is rank 0)."""
-    world_size: int = Field(ge=2, le=MAX_MEMBERS)
-    """Members of the group: the trainer and every worker of every receiving server."""
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -1,5 +1,6 @@
-"""Swapping the served weights in place (`WeightSwapper`) and the 503 gate (`WeightsUnknownGate`) for the case where a
-failed load left them unknown."""
+"""Swapping the served weights in place (`WeightSwapper`), what a broadcast swap receives (`BroadcastSpec`, also the
+`broadcast` body of the admin route) and the 503 gate (`WeightsUnknownGate`) for the case where a failed load left
+them unknown."""
 
 from __future__ import annotations
 
@@ -7,16 +8,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loguru import logger
+from pydantic import BaseModel, ConfigDict, Field
 
 from prime_rl.inference.http_io import error_response
 from prime_rl.inference.trainer_store import TrainerStore
 from prime_rl.inference.weights import clip, safetensors_specs
-
-if TYPE_CHECKING:
-    from prime_rl.inference.admin import BroadcastSpec
+from prime_rl.weight_broadcast.protocol import MAX_MEMBERS
 
 BASE_VERSION = "base"
 WEIGHTS_UNKNOWN = "weights_unknown"
@@ -34,6 +34,22 @@ class BroadcastRefused(Exception):
 
 class BroadcastNotStarted(Exception):
     """The broadcast failed before any weight changed (no trainer, a member missing): nothing to restore."""
+
+
+class BroadcastSpec(BaseModel):
+    """Which transfer to receive and as whom (see `prime_rl.weight_broadcast.protocol`); the orchestrator sends it.
+    Where the trainer's store is, and the backend, are the server's own configuration, never a request's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # "1" or true is no rank
+
+    session: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """The trainer process's session id, as its store names it (a request for an earlier trainer is refused)."""
+    group: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """The transfer group's id (the orchestrator makes a new one whenever the receiving servers change)."""
+    rank: int = Field(ge=1, lt=MAX_MEMBERS)
+    """Group rank of this server's first worker (the trainer is rank 0)."""
+    world_size: int = Field(ge=2, le=MAX_MEMBERS)
+    """Members of the group: the trainer and every worker of every receiving server."""
 
 
 class WeightSwapper:

@@ -122,7 +122,13 @@ def build_tiny_model(config: TinyModelConfig) -> Path:
 
     output = Path(config.output)
     with atomic_dir(output) as tmp:
-        tokenizer = build_tokenizer(config)
+        tokenizer = build_tokenizer(
+            family=config.family,
+            vocab_size=config.vocab_size,
+            alphabet=config.alphabet,
+            seed=config.seed,
+            max_length=config.max_position_embeddings,
+        )
         tokenizer.save_pretrained(tmp)
 
         model_config = _build_model_config(config, tokenizer)

@@ -1,5 +1,5 @@
 """The tiny model's tokenizer: a byte-level BPE trained on a procedurally generated corpus, with the family's special
-tokens and chat template (written here, matching the Qwen3 / Llama-3 wire formats). Deterministic: the same config
+tokens and chat template (written here, matching the Qwen3 / Llama-3 wire formats). Deterministic: the same arguments
 always yields the same tokenizer files."""
 
 from __future__ import annotations
@@ -7,10 +7,6 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from prime_rl.models.tiny import TinyModelConfig
 
 DEFAULT_ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?;:'\"-()\n"
 
@@ -212,18 +208,19 @@ def _corpus(alphabet: str, seed: int, num_lines: int = 3000) -> Iterator[str]:
         yield line
 
 
-def build_tokenizer(config: TinyModelConfig):
-    """Train the byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the family's specials."""
+def build_tokenizer(*, family: str, vocab_size: int, alphabet: str, seed: int, max_length: int):
+    """Train the byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the family's specials (the fields of
+    the same names of `prime_rl.models.tiny.TinyModelConfig`; `max_length` is its `max_position_embeddings`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    added = _added_tokens(config.family)
+    added = _added_tokens(family)
     byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
-    base_size = config.vocab_size - len(added)
+    base_size = vocab_size - len(added)
     if base_size < len(byte_alphabet):
         raise ValueError(
-            f"vocab_size={config.vocab_size} is too small: the byte-level alphabet needs {len(byte_alphabet)} ids "
-            f"plus {len(added)} special tokens for family {config.family!r}"
+            f"vocab_size={vocab_size} is too small: the byte-level alphabet needs {len(byte_alphabet)} ids "
+            f"plus {len(added)} special tokens for family {family!r}"
         )
 
     tok = Tokenizer(models.BPE())
@@ -235,12 +232,12 @@ def build_tokenizer(config: TinyModelConfig):
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(config.alphabet, config.seed), trainer=trainer)
+    tok.train_from_iterator(_corpus(alphabet, seed), trainer=trainer)
     # One at a time, so ids follow the list order right after the BPE vocabulary.
     for content, special in added:
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
 
-    if config.family == "qwen3":
+    if family == "qwen3":
         # No BOS: plain `encode` returns just the text's tokens, like Qwen3.
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
         specials = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)
@@ -266,7 +263,7 @@ def build_tokenizer(config: TinyModelConfig):
 
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        model_max_length=config.max_position_embeddings,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
         extra_special_tokens=extra,
         **specials,
