@@ -90,8 +90,59 @@ def resolve_key(keys: dict[Key, Any], raw: str) -> Key | None:
     return matches[0] if matches else None
 
 
+# Upstream prime-rl's names of our settings (its configs are translated at load, `config/upstream.py`; these help a
+# flag or a key in the wrong place): did-you-mean asks by meaning before spelling.
+MEANINGS: dict[str, tuple[Key, ...]] = {
+    "group_size": (("rollouts_per_example",),),
+    "lora_name": (("adapter", "name"),),
+    "async_level": (("max_async_level",),),
+    "oversampling_factor": (("oversampling",),),
+    "max_completion_tokens": (("max_tokens",),),
+    "fsdp_cpu_offload": (("cpu_offload",),),
+    "fused_lm_head_token_chunk_size": (("logprob_chunk",),),
+    "micro_batch_size": (("micro_batch_tokens",),),
+    "renderer": (("model", "renderer"), ("data", "renderer")),
+    "monitors": (("wandb",),),
+    "num_train_gpus": (("trainer_gpu_ids",),),
+    "num_infer_gpus": (("inference_gpu_ids",),),
+    "enable_lora": (("lora",),),
+    "val": (("eval",),),
+    "source": (("env",),),
+    "train": (("env",),),
+}
+
+
+# Upstream names with no counterpart here: said instead of a guess by spelling.
+UPSTREAM_ONLY: dict[str, str] = {
+    "impl": "upstream's choice of model implementation; the Hugging Face one always runs here",
+    "ep": "upstream's MoE expert parallelism, not supported here",
+    "dp_replicate": "upstream's replicated data parallelism (HSDP), not supported here",
+    "ac_offloading": "upstream's activation offloading, not supported here",
+    "optimization_dtype": "upstream's master-weight dtype; float32 here (`model.dtype` is the compute dtype)",
+    "reduce_dtype": "upstream's gradient-reduction dtype; float32 here",
+}
+
+
+def _by_meaning(keys: dict[Key, Any], path: Key) -> str | None:
+    """Our key for upstream's name `path[-1]`: beside it, else at the top, else the one key anywhere ending so."""
+    for ours in MEANINGS.get(path[-1].replace("-", "_"), ()):
+        for candidate in (path[:-1] + ours, ours):
+            if candidate in keys:
+                return ".".join(candidate)
+        anywhere = [k for k in keys if k[-len(ours) :] == ours]
+        if len(anywhere) == 1:
+            return ".".join(anywhere[0])
+    return None
+
+
 def suggest(keys: dict[Key, Any], path: Key) -> str:
-    """' (did you mean `x.y`?)' for the closest other valid key (a sibling first, then any key), or ''."""
+    """' (did you mean `x.y`?)' for our name of an upstream setting, else the closest other valid key (a sibling
+    first, then any key), or ''."""
+    if path[-1] in UPSTREAM_ONLY:
+        return f" ({UPSTREAM_ONLY[path[-1]]})"
+    ours = _by_meaning(keys, path)
+    if ours is not None:
+        return f" (did you mean `{ours}`? upstream prime-rl's `{path[-1]}`)"
     siblings = [k[-1] for k in keys if k[:-1] == path[:-1] and k != path]
     close = difflib.get_close_matches(path[-1].replace("-", "_"), siblings, n=1, cutoff=0.6)
     if close:
@@ -119,7 +170,11 @@ def _clean_loc(keys: dict[Key, Any], loc: tuple) -> Key:
     """Drop the union member pydantic puts in an error location (`optim.sgd.betas` -> `optim.betas`)."""
     out: Key = ()
     for part in map(str, loc):
-        if len(section_types(keys.get(out))) > 1 and out + (part,) not in keys:
+        members = section_types(keys.get(out))
+        tags = {m.__name__ for m in members} | {
+            m.model_fields["type"].default for m in members if "type" in m.model_fields
+        }
+        if len(members) > 1 and part in tags and out + (part,) not in keys:
             continue
         out += (part,)
     return out

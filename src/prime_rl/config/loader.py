@@ -33,7 +33,8 @@ from pydantic_settings import SettingsError
 from prime_rl.config.argv import ParsedArgv, parse_cli, passthrough_args, split_argv
 from prime_rl.config.base import EntrypointConfig
 from prime_rl.config.keys import ConfigError, Key, config_keys, format_validation_error, nest
-from prime_rl.config.toml_files import deep_merge, fill_discriminators, load_toml  # also imported from here
+from prime_rl.config.toml_files import deep_merge, fill_discriminators, leaf_paths, load_toml  # also imported here
+from prime_rl.config.upstream import translate
 from prime_rl.utils.fs import write_atomic
 
 C = TypeVar("C", bound=BaseModel)
@@ -50,15 +51,22 @@ def _env_sources() -> dict[Key, str]:
     }
 
 
-def build_config(cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: dict) -> C:
+def build_config(
+    cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: dict, entrypoint: str = "", notes: list | None = None
+) -> C:
     """Deep-merge the TOML files and the CLI values over them, then validate into `cls`; a settings
-    class reads the environment below these values itself (`EntrypointConfig`)."""
+    class reads the environment below these values itself (`EntrypointConfig`). Each file is read in upstream
+    prime-rl's spellings too (`upstream.translate`); what was translated is appended to `notes`."""
     data: dict = {}
     sources = _env_sources()
     for path, scope in parsed.toml_files:
         file_data, file_sources = load_toml(path)
-        data = deep_merge(data, nest(scope, file_data))
+        file_data, translated = translate(entrypoint, nest(scope, file_data), str(path))
+        if translated and notes is not None:
+            notes.append((path, translated))
+        data = deep_merge(data, file_data)
         sources.update({scope + p: s for p, s in file_sources.items()})
+        sources.update({p: str(path) for p in leaf_paths(file_data) if p not in sources})
     sources.update(parsed.cli_sources)
     for path in parsed.cli_nulls:
         cli = deep_merge(cli, nest(path, None))
@@ -115,13 +123,19 @@ def load_config(
         parsed = split_argv(keys, argv)
         cli, unknown = parse_cli(cls, entrypoint, parsed.cli)
         passthrough = passthrough_args(keys, unknown, allowed=check_passthrough is not None)
-        config = build_config(cls, keys, parsed, cli)
+        notes: list = []
+        config = build_config(cls, keys, parsed, cli, entrypoint, notes)
         if check_passthrough is not None:
             check_passthrough(config, passthrough)
     except ConfigError as e:
         print(f"{entrypoint}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    for path, translated in notes:  # before logging is set up: the console is where the user looks
+        print(f"{entrypoint}: {path} is in upstream prime-rl's spelling, read as: {'; '.join(translated)}",
+              file=sys.stderr)  # fmt: skip
     if parsed.dry_run:
+        for path, translated in notes:
+            print(f"# read from upstream spellings in {path}:\n" + "".join(f"#   {n}\n" for n in translated), end="")
         print(to_toml(config), end="")
         if passthrough:
             print(f"# passed through: {' '.join(passthrough)}")

@@ -30,9 +30,9 @@ class ServedModelConfig(ModelConfig):
 
 
 class CheckpointConfig(BaseConfig):
-    interval: int = Field(50, ge=1)
+    interval: int = Field(50, ge=0)
     """Save a checkpoint every this many steps and after the last one (trainer and orchestrator alike, so every
-    step that is kept can be resumed from)."""
+    step that is kept can be resumed from); 0: only after the last one."""
 
     keep_last: int | None = Field(None, ge=1)
     """Keep only this many most recent checkpoints (None: keep all)."""
@@ -52,7 +52,7 @@ class CheckpointConfig(BaseConfig):
 
     def due(self, step: int, max_steps: int | None) -> bool:
         """Whether `step` is saved: one rule for trainer and orchestrator, so every kept step has both halves."""
-        return step % self.interval == 0 or step == max_steps
+        return (self.interval > 0 and step % self.interval == 0) or step == max_steps
 
     def kept(self, steps: list[int]) -> set[int]:
         """Of the saved checkpoint steps (ascending), those `keep_last` and `keep_interval` keep."""

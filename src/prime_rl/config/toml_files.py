@@ -24,12 +24,12 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _leaf_paths(data: dict, prefix: Key = ()) -> list[Key]:
+def leaf_paths(data: dict, prefix: Key = ()) -> list[Key]:
     out = []
     for key, value in data.items():
         out.append(prefix + (key,))
         if isinstance(value, dict):
-            out.extend(_leaf_paths(value, prefix + (key,)))
+            out.extend(leaf_paths(value, prefix + (key,)))
     return out
 
 
@@ -58,7 +58,7 @@ def load_toml(path: Path, _stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Key
         inc_data, inc_sources = load_toml(path.parent / include, _stack + (path,))
         merged = deep_merge(merged, inc_data)
         sources.update(inc_sources)
-    sources.update({p: str(path) for p in _leaf_paths(data)})
+    sources.update({p: str(path) for p in leaf_paths(data)})
     return deep_merge(merged, data), sources
 
 

@@ -1,0 +1,503 @@
+"""Configs written for upstream prime-rl, read here: its two config generations' spellings mapped onto our schema.
+
+A file written for the system we are modelled on (the `rl --trainer @ t --orchestrator @ o` generation of late 2025,
+or the one-file generation of 2026 with `[[orchestrator.train.env]]`, `group_size` and `[monitors.wandb]`) is
+translated key by key as it is read, before validation. Every translation is reported (one log line per file, and
+`--dry-run` prints the config as we read it); a key whose feature we do not have is refused with one line naming
+that feature; a key we do not know at all is left for validation, which names it. Nothing is dropped silently: a
+key we leave out (because our behaviour already is what it asks for) is reported as such.
+
+Rules are written per *role* (the config of one process: rl, trainer, orchestrator, inference, sft, eval), relative
+to where that config sits: `rl`'s orchestrator section gets the same rules as the orchestrator's own file.
+docs/configuration.md has the table "upstream key -> ours".
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from prime_rl.config.keys import ConfigError, Key
+
+_MISSING = object()
+
+# Where each role's config sits in each entry point's config.
+FRAMES: dict[str, dict[Key, str]] = {
+    "rl": {(): "rl", ("trainer",): "trainer", ("orchestrator",): "orchestrator", ("inference",): "inference"},
+    "trainer": {(): "trainer"},
+    "orchestrator": {(): "orchestrator"},
+    "inference": {(): "inference"},
+    "sft": {(): "sft"},
+    "eval": {(): "eval"},
+    "synthesize": {(): "eval"},
+}
+
+# Runtimes our environments run model-written code in without a sandbox service: verifiers' default.
+LOCAL_RUNTIMES = ("subprocess", "local")
+
+
+def dotted(path: Key) -> str:
+    return ".".join(path)
+
+
+class Translator:
+    """One file's data being rewritten: moves, refusals and the notes that report them."""
+
+    def __init__(self, data: dict, origin: str) -> None:
+        self.data = copy.deepcopy(data)
+        self.origin = origin
+        self.notes: list[str] = []
+        self.refusals: list[str] = []
+
+    def get(self, path: Key) -> Any:
+        node: Any = self.data
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def has(self, path: Key) -> bool:
+        return self.get(path) is not _MISSING
+
+    def pop(self, path: Key) -> Any:
+        parent = self.get(path[:-1])
+        if not isinstance(parent, dict) or path[-1] not in parent:
+            return _MISSING
+        value = parent.pop(path[-1])
+        self._prune(path[:-1])
+        return value
+
+    def _prune(self, path: Key) -> None:
+        """Drop tables a move left empty (an upstream `[orchestrator.train]` holding only what moved out)."""
+        while path and self.get(path) == {}:
+            parent = self.get(path[:-1])
+            parent.pop(path[-1])
+            path = path[:-1]
+
+    def put(self, path: Key, value: Any, src: Key) -> None:
+        """Set `path`; the same key set under both spellings in one file is ambiguous."""
+        node = self.data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{self.origin}: `{dotted(path[:-1])}` must be a table to take `{dotted(src)}`")
+            node = child
+        if path[-1] in node and isinstance(node[path[-1]], dict) and isinstance(value, dict):
+            for key, item in value.items():
+                self.put(path + (key,), item, src + (key,))
+            return
+        if path[-1] in node and node[path[-1]] != value:
+            raise ConfigError(
+                f"{self.origin}: `{dotted(src)}` (upstream's spelling) and `{dotted(path)}` are the same setting, "
+                "set to different values: keep one"
+            )
+        node[path[-1]] = value
+
+    def rename(self, src: Key, dst: Key, convert: Callable[[Any], Any] | None = None, why: str = "") -> None:
+        value = self.pop(src)
+        if value is _MISSING:
+            return
+        self.put(dst, convert(value) if convert else value, src)
+        self.notes.append(f"`{dotted(src)}` -> `{dotted(dst)}`" + (f" ({why})" if why else ""))
+
+    def leave_out(self, path: Key, why: str, when: Callable[[Any], bool] = lambda _: True) -> None:
+        """Remove a key that asks for what we do anyway (reported, never silent)."""
+        value = self.get(path)
+        if value is not _MISSING and when(value):
+            self.pop(path)
+            self.notes.append(f"`{dotted(path)}` = {value!r} left out: {why}")
+
+    def refuse(self, path: Key, feature: str, when: Callable[[Any], bool] = lambda _: True) -> None:
+        value = self.get(path)
+        if value is not _MISSING and when(value):
+            self.refusals.append(f"`{dotted(path)}` (from {self.origin}): {feature}")
+
+
+def _is_on(value: Any) -> bool:
+    """An upstream optional section that is set: a table (empty = defaults) or `true`."""
+    return value is not False and value is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Environments: upstream's `[[env]]` (late 2025) and `[[train.env]]` / `[[train.source]]` / `[[source]]` (2026).
+
+
+def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
+    """One environment entry (at `at`) in our `EnvConfig` / `EvalEnvConfig` shape."""
+    if not isinstance(item, dict):
+        return item
+    sub = Translator(item, t.origin)
+    # 2026: `env.taskset`, `env.agent.harness`, `env.agent.runtime`, or `taskset` / `harness` at the top.
+    for nested in (("env", "taskset"), ("env", "agent", "harness"), ("env", "agent", "runtime"), ("env", "harness")):
+        sub.rename(nested, nested[-1:])
+    taskset = sub.pop(("taskset",))
+    if taskset is not _MISSING:
+        taskset = dict(taskset) if isinstance(taskset, dict) else {"id": taskset}
+        if "id" not in taskset:
+            raise ConfigError(f"{t.origin}: `{dotted(at)}.taskset` needs an `id`")
+        sub.put(("id",), taskset.pop("id"), ("taskset", "id"))
+        if taskset:
+            sub.put(("args",), taskset, ("taskset",))
+        sub.notes.append("`taskset.id` -> `id`, its other keys -> `args`" if taskset else "`taskset.id` -> `id`")
+    harness = sub.pop(("harness",))
+    if isinstance(harness, dict):
+        runtime = harness.pop("runtime", _MISSING)
+        if runtime is not _MISSING:
+            sub.put(("runtime",), runtime, ("harness", "runtime"))
+        harness_id = harness.pop("id", None)
+        if harness:
+            sub.refusals.append(
+                f"`{dotted(at)}.harness` (from {t.origin}): harness options {sorted(harness)} (a seat's options go in "
+                "`env_args` here)"
+            )
+        harness = harness_id
+    if harness is not _MISSING:
+        if harness in (None, "null", "none"):
+            sub.notes.append("harness `null` -> the taskset's own harness (else the in-process chat harness)")
+        else:
+            sub.put(("harness",), harness, ("harness", "id"))
+    runtime = sub.pop(("runtime",))
+    if runtime is not _MISSING:
+        kind = runtime.get("type") if isinstance(runtime, dict) else runtime
+        if kind not in LOCAL_RUNTIMES or (isinstance(runtime, dict) and set(runtime) - {"type"}):
+            sub.refusals.append(
+                f"`{dotted(at)}.runtime` (from {t.origin}): sandboxed runtimes ({kind!r}); model-written code runs "
+                "in verifiers' local subprocess runtime here"
+            )
+        else:
+            sub.notes.append(f"runtime {kind!r} left out: our default")
+    if sub.has(("curriculum",)):
+        sub.refusals.append(f"`{dotted(at)}.curriculum` (from {t.origin}): curricula are not supported yet")
+    sub.rename(("weight",), ("ratio",))
+    if eval_item:
+        sub.rename(("group_size",), ("rollouts_per_example",))
+        select = sub.pop(("select",))
+        if select is not _MISSING:
+            _select(sub, (), select)
+    t.notes.extend(f"`{dotted(at)}`: {note}" for note in sub.notes)
+    t.refusals.extend(sub.refusals)
+    return sub.data
+
+
+def _select(t: Translator, at: Key, select: Any) -> None:
+    """2026 evals: `select.limit` examples (the env's first ones) -> `num_examples`."""
+    if not isinstance(select, dict) or set(select) - {"limit"}:
+        t.refusals.append(f"`{dotted(at)}.select` (from {t.origin}): example selection other than `limit`")
+        return
+    t.put(at + ("num_examples",), select["limit"], at + ("select", "limit"))
+    t.notes.append(f"`{dotted(at + ('select', 'limit'))}` -> `{dotted(at + ('num_examples',))}`")
+
+
+def _env_list(t: Translator, src: Key, dst: Key, eval_item: bool = False) -> None:
+    items = t.pop(src)
+    if items is _MISSING:
+        return
+    if not isinstance(items, list):
+        raise ConfigError(f"{t.origin}: `{dotted(src)}` must be an array of tables (`[[{dotted(src)}]]`)")
+    translated = [_env_item(t, src + (f"{i}",), item, eval_item) for i, item in enumerate(items)]
+    if src != dst:
+        t.notes.append(f"`[[{dotted(src)}]]` -> `[[{dotted(dst)}]]`")
+    t.put(dst, translated, src)
+
+
+def _sampling(t: Translator, at: Key) -> None:
+    t.rename(at + ("max_completion_tokens",), at + ("max_tokens",))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Roles.
+
+
+def _orchestrator(t: Translator, at: Key) -> None:
+    for src in (at + ("group_size",), at + ("train", "group_size")):
+        t.rename(src, at + ("rollouts_per_example",))
+    if t.has(at + ("train", "sampling")):
+        t.rename(at + ("train", "sampling"), at + ("sampling",))
+    _sampling(t, at + ("sampling",))
+    for name in ("env", "source"):
+        _env_list(t, at + ("train", name), at + ("env",))
+    _env_list(t, at + ("env",), at + ("env",))
+    t.rename(at + ("renderer",), at + ("model", "renderer"))
+    t.rename(at + ("async_level",), at + ("max_async_level",))
+    t.rename(at + ("oversampling_factor",), at + ("oversampling",))
+    t.rename(at + ("lora_name",), at + ("adapter", "name"))
+    t.rename(at + ("wandb", "log_extras"), at + ("log_extras",))
+    t.leave_out(at + ("seed",), "upstream's orchestrator never read it (our task order: `buffer.seed`)")
+    t.leave_out(
+        at + ("mask_truncated_completions",),
+        "a truncated completion is trained on here too",
+        when=lambda v: v is False,
+    )
+    t.refuse(at + ("mask_truncated_completions",), "masking truncated completions is not supported yet")
+    t.leave_out(at + ("advantage", "length_weighted_mean"), "our default", when=lambda v: v is False)
+    t.rename(
+        at + ("advantage", "length_weighted_mean"),
+        at + ("advantage", "estimator"),
+        convert=lambda _: "opo",
+        why="the length-weighted group mean is our `opo` estimator",
+    )
+    for fraction in ("easy_fraction", "hard_fraction"):
+        t.leave_out(at + ("buffer", fraction), "our default", when=lambda v: v == 0)
+        t.refuse(at + ("buffer", fraction), "moving retired easy/hard tasks back on resume is not supported")
+    ratios = t.pop(at + ("buffer", "env_ratios"))
+    if ratios is not _MISSING:
+        envs = t.get(at + ("env",))
+        if not isinstance(envs, list) or len(envs) != len(ratios):
+            raise ConfigError(f"{t.origin}: `buffer.env_ratios` needs one ratio per `[[env]]`")
+        for env, ratio in zip(envs, ratios, strict=True):
+            env["ratio"] = ratio
+        t.notes.append(f"`{dotted(at + ('buffer', 'env_ratios'))}` -> each `env.ratio`")
+    t.leave_out(at + ("algo",), "GRPO is our training algorithm", when=lambda v: isinstance(v, dict) and
+                v.get("type", "grpo") == "grpo" and set(v) <= {"type"})  # fmt: skip
+    t.refuse(at + ("algo",), "training algorithms other than GRPO (distillation, self-play, ...) are not supported yet")
+    t.refuse(at + ("concurrency",), "adaptive in-flight control is not supported yet (ours: `oversampling`)")
+    t.refuse(at + ("eval",), "evals during `rl` are not supported yet (run `eval` on the saved steps)")
+    t.refuse(at + ("val",), "validation on the training environments during `rl` is not supported yet")
+    t.refuse(at + ("teacher_model",), "a teacher model (distillation) is not supported yet")
+    t.refuse(at + ("curriculum",), "curricula (task samplers and admission gates) are not supported yet")
+
+
+def _model(t: Translator, at: Key, seq_len_to: Key | None) -> None:
+    """A trainer's (or sft's) `[model]` table."""
+    m = at + ("model",)
+    if seq_len_to is not None:
+        t.rename(m + ("seq_len",), seq_len_to)
+    for name in ("ac", "compile"):
+        value = t.get(m + (name,))
+        if isinstance(value, dict):
+            freq, fullgraph = value.get("freq", 1), value.get("fullgraph", False)
+            if set(value) - {"freq", "fullgraph"} or freq != 1 or fullgraph:
+                t.refusals.append(
+                    f"`{dotted(m + (name,))}` (from {t.origin}): only every-layer activation checkpointing and "
+                    "per-layer compile (`freq = 1`, `fullgraph = false`) are supported"
+                )
+                continue
+            t.rename(m + (name,), m + (name,), convert=lambda _: True, why="a table means on")
+    t.refuse(m + ("ac_offloading",), "activation offloading is not supported", when=_is_on)
+    t.rename(m + ("experimental", "lora"), m + ("lora",))
+    t.refuse(m + ("lora", "modules_to_save"), "LoRA `modules_to_save` is not supported", when=bool)
+    t.leave_out(m + ("lora", "modules_to_save"), "empty", when=lambda v: not v)
+    t.rename(m + ("fsdp_cpu_offload",), m + ("cpu_offload",))
+    t.leave_out(m + ("reshard_after_forward",), "our FSDP2 always reshards after forward", when=lambda v: v is True)
+    t.refuse(m + ("reshard_after_forward",), "keeping parameters gathered after forward is not supported")
+    for name, feature in (("ep", "MoE expert parallelism"), ("tp", "tensor parallelism in the trainer"),
+                          ("dp_replicate", "replicated data parallelism (HSDP)")):  # fmt: skip
+        t.leave_out(m + (name,), "1 is ours", when=lambda v: v == 1)
+        t.refuse(m + (name,), f"{feature} is not supported")
+    t.leave_out(
+        m + ("impl",),
+        "the Hugging Face implementation runs here (same math, no custom kernels)",
+        when=lambda v: v in ("auto", "hf", "liger_kernel", "custom"),
+    )
+    for name in ("optimization_dtype", "reduce_dtype"):
+        t.leave_out(m + (name,), "master weights and gradient reduction are float32 here", lambda v: v == "float32")
+        t.refuse(m + (name,), "low-precision master weights or gradient reduction are not supported")
+    t.leave_out(m + ("moe_use_grouped_mm",), "a MoE kernel choice; no effect here")
+    t.rename(m + ("fused_lm_head_token_chunk_size",), m + ("logprob_chunk",), why="positions per LM-head chunk")
+    attn = t.get(m + ("attn",))
+    if attn in ("flash_attention_3", "fa3", "auto"):
+        t.rename(m + ("attn",), m + ("attn",), convert=lambda _: "sdpa", why="same attention, another kernel")
+    if t.has(m + ("cp",)) and t.get(m + ("cp",)) != 1:
+        t.notes.append(f"`{dotted(m + ('cp',))}`: context parallelism runs Ulysses attention here (upstream: ring)")
+    t.refuse(m + ("debug",), "the debug model options (truncated layers, random init: use `model.random_init`)")
+    for name in ("fp8", "float8", "mxfp8"):
+        t.refuse(m + (name,), "FP8 training is not supported")
+
+
+def _trainer(t: Translator, at: Key) -> None:
+    _model(t, at, at + ("seq_len",))
+    t.rename(at + ("async_level",), at + ("max_async_level",))
+    t.refuse(at + ("data", "fake"), "fake data in the RL trainer (use `bench`)", when=_is_on)
+    for name in ("memory_profiler_path", "trace_path"):
+        t.refuse(at + (name,), "profiler traces are not supported (see benchmarks/)")
+    t.refuse(at + ("heartbeat",), "heartbeat URLs are not supported")
+    t.leave_out(at + ("wandb", "log_extras"), "the trainer logs no samples")
+    t.leave_out(at + ("dist_timeout_seconds",), "our collectives time out after at most 300 s", lambda v: v <= 300)
+    t.refuse(at + ("dist_timeout_seconds",), "collective timeouts above 300 s (ours are capped at 300)")
+    for name in ("use_routing_replay", "recompute_logprobs"):
+        t.refuse(at + (name,), "MoE router replay is not supported", when=bool)
+        t.leave_out(at + (name,), "off", when=lambda v: not v)
+
+
+_VLLM_KEYS: dict[str, Key] = {
+    "model": ("model", "name"),
+    "served_model_name": ("model", "served_name"),
+    "trust_remote_code": ("model", "trust_remote_code"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "enforce_eager": ("model", "enforce_eager"),
+    "tensor_parallel_size": ("parallel", "tp"),
+    "data_parallel_size": ("parallel", "dp"),
+    "gpu_memory_utilization": ("gpu_memory_utilization",),
+    "max_num_seqs": ("max_num_seqs",),
+    "seed": ("seed",),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+}
+_CLIENT_SIDE = "tool calls and reasoning are parsed client-side by the renderer here"
+
+
+def _inference(t: Translator, at: Key) -> None:
+    vllm = at + ("vllm",)
+    for name, ours in _VLLM_KEYS.items():
+        t.rename(vllm + (name,), at + ours)
+    for src in (vllm, at + ("model",), at):
+        for name in ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser"):
+            t.leave_out(src + (name,), _CLIENT_SIDE)
+        t.leave_out(src + ("enable_lora",), "adapters are enabled by `[inference.lora]`", lambda v: not v)
+        t.rename(src + ("enable_lora",), at + ("lora",), convert=lambda _: {}, why="a `[lora]` table enables it")
+        t.leave_out(src + ("max_cpu_loras",), "adapters are kept in CPU memory as vLLM's default allows")
+        t.leave_out(src + ("api_server_count",), "one API server", lambda v: v == 1)
+        t.refuse(src + ("rope_scaling",), "RoPE scaling overrides are not supported", when=_is_on)
+        t.leave_out(src + ("rope_scaling",), "unset", when=lambda v: not _is_on(v))
+        t.refuse(src + ("kv_cache_dtype",), "FP8 KV caches are not supported", lambda v: str(v).startswith("fp8"))
+        t.refuse(src + ("quantization",), "quantized serving (FP8, NVFP4, ...) is not supported", when=_is_on)
+    for name in ("max_loras", "max_lora_rank"):
+        t.rename(at + (name,), at + ("lora", name))
+    for name, feature in (("pd", "prefill/decode disaggregation"), ("disaggregation", "prefill/decode disaggregation"),
+                          ("router", "an inference router (vllm-router, llm-d)"),
+                          ("kv_offload", "KV-cache offload"), ("dynamo", "NVIDIA Dynamo serving")):  # fmt: skip
+        t.refuse(at + (name,), f"{feature} is not supported")
+        t.refuse(vllm + (name,), f"{feature} is not supported")
+
+
+def _rl(t: Translator, at: Key) -> None:
+    t.rename(at + ("monitors", "wandb"), at + ("wandb",))
+    t.refuse(at + ("monitors",), "monitors other than W&B (use `tensorboard` for a local one)")
+    for name in ("num_train_gpus", "num_infer_gpus"):
+        count = t.get(at + ("deployment", name))
+        if count is not _MISSING and (not isinstance(count, int) or count < 1):
+            raise ConfigError(f"{t.origin}: `deployment.{name}` must be a positive integer, got {count!r}")
+    infer = t.pop(at + ("deployment", "num_infer_gpus"))
+    train = t.pop(at + ("deployment", "num_train_gpus"))
+    if infer is not _MISSING or train is not _MISSING:
+        infer = 1 if infer is _MISSING else infer
+        train = 1 if train is _MISSING else train
+        t.put(at + ("inference_gpu_ids",), list(range(infer)), ("deployment", "num_infer_gpus"))
+        t.put(at + ("trainer_gpu_ids",), list(range(infer, infer + train)), ("deployment", "num_train_gpus"))
+        t.notes.append(
+            f"`deployment.num_infer_gpus`/`num_train_gpus` -> `inference_gpu_ids = {list(range(infer))}`, "
+            f"`trainer_gpu_ids = {list(range(infer, infer + train))}` (on CPU: {train} trainer rank(s))"
+        )
+    t.refuse(at + ("deployment", "num_teacher_gpus"), "a teacher server (distillation) is not supported yet")
+    t.refuse(at + ("teacher_gpu_ids",), "a teacher server (distillation) is not supported yet")
+    t.refuse(at + ("teacher_inference",), "a teacher server (distillation) is not supported yet")
+    t.refuse(at + ("slurm",), "SLURM submission from the run's config is not supported yet (docs/deployment.md)")
+    t.rename(at + ("async_level",), at + ("max_async_level",))
+    t.leave_out(at + ("max_model_len",), "upstream never read it")
+
+
+def _sft(t: Translator, at: Key) -> None:
+    _model(t, at, at + ("seq_len",))
+    data = at + ("data",)
+    t.rename(data + ("seq_len",), at + ("seq_len",))
+    t.rename(data + ("batch_size",), at + ("batch_size",))
+    micro = t.pop(data + ("micro_batch_size",))
+    if micro is not _MISSING:
+        seq_len = t.get(at + ("seq_len",))
+        if not isinstance(seq_len, int):
+            raise ConfigError(f"{t.origin}: `data.micro_batch_size` needs `seq_len` (tokens per micro-batch here)")
+        t.put(at + ("micro_batch_tokens",), micro * seq_len, data + ("micro_batch_size",))
+        t.notes.append(
+            f"`data.micro_batch_size` = {micro} -> `micro_batch_tokens` = {micro * seq_len} (samples x seq_len: "
+            "micro-batches are packed by tokens here)"
+        )
+    fake = t.get(data + ("fake",))
+    if isinstance(fake, dict):
+        t.pop(data + ("fake",))
+        t.put(data + ("type",), "fake", data + ("fake",))
+        for name in ("batch_size", "seq_len"):
+            if name in fake:
+                t.put(at + (name,), fake.pop(name), data + ("fake", name))
+        if fake:
+            t.refusals.append(f"`{dotted(data + ('fake',))}` (from {t.origin}): fake-data options {sorted(fake)}")
+        t.notes.append('`[data.fake]` -> `data.type = "fake"`')
+    t.rename(at + ("renderer",), data + ("renderer",))
+    t.refuse(at + ("eval",), "evals during `sft` are not supported yet (run `eval` on the saved weights)")
+    t.leave_out(at + ("inference",), "only used by evals during sft", when=lambda v: v == {})
+    for name in ("num_train_gpus", "num_infer_gpus"):
+        t.leave_out(at + ("deployment", name), "sft's ranks are torchrun's `--nproc-per-node` here")
+    t.rename(at + ("monitors", "wandb"), at + ("wandb",))
+
+
+def _eval(t: Translator, at: Key) -> None:
+    model = t.get(at + ("model",))
+    if isinstance(model, str):
+        t.rename(at + ("model",), at + ("model", "name"))
+    t.rename(at + ("renderer",), at + ("model", "renderer"))
+    _sampling(t, at + ("sampling",))
+    for name in ("source", "environment"):
+        _env_list(t, at + (name,), at + ("env",), eval_item=True)
+    _env_list(t, at + ("env",), at + ("env",), eval_item=True)
+    # Top-level per-env defaults (both generations): copied into every environment that does not set its own.
+    defaults = {}
+    for src, ours in ((("num_examples",), "num_examples"), (("rollouts_per_example",), "rollouts_per_example"),
+                      (("group_size",), "rollouts_per_example"), (("select", "limit"), "num_examples")):  # fmt: skip
+        value = t.pop(at + src)
+        if value is not _MISSING:
+            defaults[ours] = value
+            t.notes.append(f"`{dotted(at + src)}` -> every `env.{ours}`")
+    if defaults:
+        envs = t.get(at + ("env",))
+        if envs is _MISSING:
+            envs = [{}]
+            t.put(at + ("env",), envs, at + ("env",))
+        for env in envs:
+            for key, value in defaults.items():
+                if key == "num_examples" and value == -1:
+                    continue  # upstream's "all"; ours is None
+                env.setdefault(key, value)
+    t.refuse(at + ("select",), "example selection other than `limit`")
+    t.refuse(at + ("save", "hf"), "pushing results to the Hugging Face hub is not supported", when=_is_on)
+    t.refuse(at + ("save", "env_hub"), "uploading results to the Environments Hub is not supported", when=bool)
+
+
+ROLES: dict[str, Callable[[Translator, Key], None]] = {
+    "rl": _rl,
+    "trainer": _trainer,
+    "orchestrator": _orchestrator,
+    "inference": _inference,
+    "sft": _sft,
+    "eval": _eval,
+}
+
+
+def _same_key_other_meaning(t: Translator) -> None:
+    """Keys both systems spell alike but read differently, in a file that is in upstream's spelling: we adopt
+    upstream's meaning where ours has it, and say so."""
+    for at in [(), ("trainer",), ("orchestrator",)]:
+        if t.get(at + ("ckpt",)) == {}:
+            t.put(at + ("ckpt", "interval"), 0, at + ("ckpt",))
+            t.notes.append(f"empty `[{dotted(at + ('ckpt',))}]` -> `interval = 0`: saved after the last step only")
+    for at in [(), ("orchestrator",)]:
+        if isinstance(t.get(at + ("seq_len",)), int):
+            t.notes.append(
+                f"`{dotted(at + ('seq_len',))}`: a rollout that outgrows it ends at the limit and is not trained on "
+                "here (upstream trains on it truncated)"
+            )
+    for at in [(), ("orchestrator",)]:
+        if t.has(at + ("max_off_policy_steps",)):
+            t.notes.append(
+                f"`{dotted(at + ('max_off_policy_steps',))}`: bounds how many policy updates one group's tokens span "
+                "here (upstream: how old a rollout may be); docs/configuration.md"
+            )
+
+
+def translate(entrypoint: str, data: dict, origin: str) -> tuple[dict, list[str]]:
+    """`data` (one file's values, already placed where they load) with upstream's spellings in ours; returns it
+    with one note per translation. Raises `ConfigError` naming every refused key's feature."""
+    t = Translator(data, origin)
+    for at, role in FRAMES.get(entrypoint, {}).items():
+        if at == () or t.has(at):
+            if at and not isinstance(t.get(at), dict):
+                continue
+            ROLES[role](t, at)
+    if t.notes:  # this file is in upstream's spelling
+        _same_key_other_meaning(t)
+    if t.refusals:
+        raise ConfigError("not supported here:\n  " + "\n  ".join(t.refusals))
+    return t.data, t.notes

@@ -1,0 +1,133 @@
+"""Configs in upstream prime-rl's layouts (both generations; written here, after the layouts its `configs/` and
+`examples/` use) load through our entry points' own loader, or are refused with a line naming the feature we lack.
+Each file says which in its header (`# expect: loads`, `loads unchanged`, or `refused: <feature>`)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from prime_rl.config.argv import ParsedArgv
+from prime_rl.config.keys import ConfigError, config_keys
+from prime_rl.config.loader import build_config
+
+CORPUS = Path(__file__).parent / "upstream_configs"
+FILES = sorted(CORPUS.rglob("*.toml"))
+
+
+def entry_class(entrypoint: str):
+    from prime_rl.eval.config import EvalConfig
+    from prime_rl.inference.config import InferenceConfig
+    from prime_rl.orchestrator.config import OrchestratorConfig
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.trainer.config import TrainerConfig
+    from prime_rl.trainer.sft.config import SFTConfig
+
+    return {"rl": RLConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig,
+            "inference": InferenceConfig, "sft": SFTConfig, "eval": EvalConfig}[entrypoint]  # fmt: skip
+
+
+def read(path: Path, entrypoint: str, scope: tuple = ()):
+    cls = entry_class(entrypoint)
+    notes: list = []
+    config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(path, scope)]), {}, entrypoint, notes)
+    return config, [n for _, translated in notes for n in translated]
+
+
+def header(path: Path) -> tuple[str, str]:
+    text = path.read_text()
+    entrypoint = re.search(r"^# entrypoint: (\w+)$", text, re.M).group(1)
+    expect = re.search(r"^# expect: (.+)$", text, re.M).group(1)
+    return entrypoint, expect
+
+
+def test_the_corpus_covers_both_generations_and_every_outcome():
+    expects = [header(p)[1] for p in FILES]
+    assert len(FILES) >= 40
+    assert {p.parent.name for p in FILES} == {"current", "earlier"}
+    assert sum(e.startswith("loads") for e in expects) >= 20 and sum(e.startswith("refused") for e in expects) >= 15
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_an_upstream_config_loads_or_names_the_missing_feature(path):
+    entrypoint, expect = header(path)
+    if expect.startswith("refused: "):
+        with pytest.raises(ConfigError) as refused:
+            read(path, entrypoint)
+        message = str(refused.value)
+        assert message.startswith("not supported here:") and expect.removeprefix("refused: ") in message, message
+        assert str(path) in message  # names the file
+    else:
+        _, notes = read(path, entrypoint)
+        assert (notes == []) == (expect == "loads unchanged"), notes
+
+
+def test_the_current_reverse_text_layout_means_what_upstream_meant():
+    config, notes = read(CORPUS / "current" / "rl_single_turn.toml", "rl")
+    orch = config.orchestrator
+    assert orch.rollouts_per_example == 8 and orch.batch_size == 64 and orch.sampling.max_tokens == 64
+    assert [(e.id, e.name, e.harness, e.args) for e in orch.env] == [("reverse-text", "reverse", None, {})]
+    assert config.trainer.ckpt.interval == 0 and config.trainer.ckpt.due(12, 12) and not config.trainer.ckpt.due(6, 12)
+    assert config.trainer.optim.lr == 1e-6 and config.wandb.project == "demo"
+    assert "`orchestrator.group_size` -> `orchestrator.rollouts_per_example`" in notes
+
+
+def test_nested_sources_weights_devices_and_renderer():
+    config, _ = read(CORPUS / "current" / "rl_source_nested.toml", "rl")
+    assert config.wandb.name == "arith-run" and config.orchestrator.rollouts_per_example == 4
+    assert config.orchestrator.sampling.temperature == 0.9 and config.orchestrator.env[0].id == "arithmetic"
+    config, _ = read(CORPUS / "current" / "rl_two_sources.toml", "rl")
+    envs = config.orchestrator.env
+    assert [(e.id, e.args, e.ratio) for e in envs] == [
+        ("reverse-text", {"num_tasks": 50}, 1.0),
+        ("arithmetic", {}, 3.0),
+    ]
+    config, _ = read(CORPUS / "current" / "rl_deployment_counts.toml", "rl")
+    assert config.inference_gpu_ids == [0, 1, 2, 3, 4, 5] and config.trainer_gpu_ids == [6, 7]
+    config, _ = read(CORPUS / "current" / "rl_renderer.toml", "rl")
+    assert config.orchestrator.model.renderer == {"name": "qwen3", "enable_thinking": False}
+
+
+def test_trainer_sft_eval_and_inference_spellings():
+    config, _ = read(CORPUS / "current" / "rl_trainer_model_options.toml", "rl")
+    model = config.trainer.model
+    assert model.ac and model.compile and model.cpu_offload and model.logprob_chunk == 2048
+    config, _ = read(CORPUS / "current" / "sft_micro_batch.toml", "sft")
+    assert (config.seq_len, config.batch_size, config.micro_batch_tokens) == (1024, 32, 4 * 1024)
+    assert config.data.renderer == {"name": "qwen3"}
+    config, _ = read(CORPUS / "earlier" / "sft_fake.toml", "sft")
+    assert config.data.type == "fake" and config.batch_size == 2 and config.seq_len == 1024
+    config, _ = read(CORPUS / "current" / "eval_two_sources.toml", "eval")
+    assert [(e.id, e.num_examples, e.rollouts_per_example) for e in config.env] == [
+        ("reverse-text", 5, 4), ("arithmetic", None, 4)]  # fmt: skip
+    config, _ = read(CORPUS / "earlier" / "eval.toml", "eval")
+    assert [(e.id, e.num_examples, e.rollouts_per_example) for e in config.env] == [("reverse-text", 20, 3)]
+    config, _ = read(CORPUS / "earlier" / "infer.toml", "inference")
+    assert config.lora.max_loras == 4 and config.lora.max_lora_rank == 16 and config.model.enforce_eager
+    config, _ = read(CORPUS / "current" / "inference_vllm.toml", "inference")
+    assert (config.model.name, config.model.max_model_len, config.parallel.tp) == ("Qwen/Qwen3-0.6B", 2048, 1)
+    config, _ = read(CORPUS / "earlier" / "orch_buffer.toml", "orchestrator")
+    assert config.oversampling == 2.0 and config.max_async_level == 2 and config.advantage.estimator == "opo"
+    assert [e.ratio for e in config.env] == [1.0, 3.0]
+
+
+def test_a_split_set_loads_through_rl_scoped_files(tmp_path):
+    """The earlier generation's `rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml`."""
+    cls = entry_class("rl")
+    files = [(CORPUS / "earlier" / "train.toml", ("trainer",)), (CORPUS / "earlier" / "orch.toml", ("orchestrator",)),
+             (CORPUS / "earlier" / "infer.toml", ("inference",))]  # fmt: skip
+    notes: list = []
+    config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=files), {}, "rl", notes)
+    assert config.trainer.seq_len == 2048 and config.trainer.model.ac and config.orchestrator.rollouts_per_example == 8
+    assert config.inference.lora is not None and {str(p) for p, _ in notes} == {str(f) for f, _ in files}
+
+
+def test_one_setting_under_both_spellings_must_agree(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text("[orchestrator]\ngroup_size = 4\nrollouts_per_example = 8\nbatch_size = 16\n")
+    with pytest.raises(
+        ConfigError, match="`orchestrator.group_size` .* `orchestrator.rollouts_per_example` are the same"
+    ):
+        read(path, "rl")
+    path.write_text("[orchestrator]\ngroup_size = 4\nrollouts_per_example = 4\nbatch_size = 16\n")
+    assert read(path, "rl")[0].orchestrator.rollouts_per_example == 4
