@@ -176,7 +176,7 @@ def run_guess_number(smol, verifiers_loop, monkeypatch, n: int, max_tokens: int,
     calls = spy_generations(monkeypatch)
     tasks = load_tasks(config.env, config.seq_len)
     worker = Worker(config, 0, keep_messages=True)
-    worker.sampling = vf.SamplingConfig(**request_sampling(config.sampling), **sampling_extra)
+    worker.sampling["guess-number"] = vf.SamplingConfig(**request_sampling(config.sampling), **sampling_extra)
 
     async def run():
         async with worker.envs["guess-number"].serving():

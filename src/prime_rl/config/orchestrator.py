@@ -4,7 +4,7 @@ It lives with the shared configs, not in `prime_rl.orchestrator`, because a LoRA
 resolved orchestrator config (`configs/orchestrator.toml`) without importing the orchestrator;
 `prime_rl.orchestrator.config` re-exports it."""
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -159,6 +159,16 @@ class EnvConfig(EnvSpec):
     """Share of groups drawn from this environment (normalised over all); None everywhere: by number of tasks."""
 
 
+class EvalEnvConfig(EnvSpec):
+    """An environment to evaluate on (`eval`, `synthesize`, the orchestrator's online evals)."""
+
+    num_examples: int | None = Field(None, ge=1)
+    """Evaluate the first this many tasks of the taskset (None: all of them)."""
+
+    rollouts_per_example: int = Field(1, ge=1)
+    """Rollouts per task; > 1 also reports pass@k."""
+
+
 class SamplingConfig(BaseConfig):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature; the trainer divides its logits by it to match the sampler's logprobs."""
@@ -220,6 +230,55 @@ class TrainSamplingConfig(SamplingConfig):
         """The temperature scaling's floor (`sampling.temperature` unless set)."""
         scaling = self.temperature_scaling
         return scaling.min_temperature if scaling and scaling.min_temperature is not None else self.temperature
+
+
+class OnlineEvalEnvConfig(EvalEnvConfig):
+    interval: int | None = Field(None, ge=1)
+    """Evaluate this environment every this many steps (None: `eval.interval`)."""
+
+
+EVAL_ENV_PREFIX = "eval/"
+"""Rollout workers serve an eval environment under `eval/<name>`, beside the training environment of that name."""
+
+
+class OnlineEvalConfig(BaseConfig):
+    """Held-out evals of the policy during training (docs/rl.md, "Online evals"): the policy before step 1, every
+    `interval` steps, and the final one, each pass on exactly one policy version."""
+
+    interval: int = Field(10, ge=1)
+    """Evaluate every this many steps (an environment may set its own `interval`)."""
+
+    env: list[OnlineEvalEnvConfig] = [OnlineEvalEnvConfig()]
+    """Environments to evaluate on (`[[eval.env]]` tables): the first `num_examples` tasks of the taskset as `args`
+    configure it (e.g. another `seed` than training's for held-out tasks)."""
+
+    sampling: SamplingConfig | None = None
+    """Sampling of the eval requests: the fields set here replace the training `sampling`'s (None: the training
+    sampling, without temperature scaling)."""
+
+    pass_threshold: float = 1.0
+    """A rollout counts as solved for pass@k when its reward is at least this."""
+
+    @model_validator(mode="after")
+    def _check_envs(self) -> "OnlineEvalConfig":
+        names = [e.display_name for e in self.env]
+        if not names:
+            raise ValueError("eval.env: configure at least one environment (or leave [eval] out)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.env names must be unique, got {names}; set `name` to tell them apart")
+        return self
+
+    def env_interval(self, env: OnlineEvalEnvConfig) -> int:
+        return env.interval or self.interval
+
+
+class RolloutEnv(NamedTuple):
+    """An environment a rollout worker serves: which one, with what sampling, and whether its tokens are trained on
+    (training environments refuse traces sampled from another distribution than the trainer scores)."""
+
+    spec: EnvSpec
+    sampling: SamplingConfig
+    training: bool
 
 
 class LogExtrasConfig(BaseConfig):
@@ -331,6 +390,9 @@ class OrchestratorConfig(EntrypointConfig):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """How new policies reach the servers: read from `broadcasts/`, or an in-memory broadcast from the trainer."""
 
+    eval: OnlineEvalConfig | None = None
+    """Online evals on held-out environments during the run (`[eval]`, `[[eval.env]]`; None: none)."""
+
     @model_validator(mode="after")
     def _check(self) -> "OrchestratorConfig":
         if self.bench is not None and self.ckpt is not None and self.ckpt.resuming:
@@ -372,7 +434,28 @@ class OrchestratorConfig(EntrypointConfig):
                 f"sampling.top_p = {self.sampling.top_p}: training samples from the full distribution (top_p = 1); "
                 "the trainer's logprobs would not match a truncated one"
             )
+        if self.eval is not None:
+            clash = sorted(set(names) & {EVAL_ENV_PREFIX + e.display_name for e in self.eval.env})
+            if clash:
+                raise ValueError(f"env names {clash} clash with the eval environments' worker names; rename them")
         return self
+
+    def eval_sampling(self) -> SamplingConfig:
+        """The online evals' sampling: the training sampling's fields, with those `eval.sampling` sets replaced."""
+        base = SamplingConfig(**self.sampling.model_dump(include=set(SamplingConfig.model_fields)))
+        override = self.eval.sampling if self.eval is not None else None
+        if override is None:
+            return base
+        return base.model_copy(update=override.model_dump(include=override.model_fields_set))
+
+    def rollout_envs(self) -> dict[str, RolloutEnv]:
+        """Every environment the rollout workers serve, by the name groups give: the training environments, and the
+        online evals' as `eval/<name>`."""
+        envs = {e.display_name: RolloutEnv(e, self.sampling, True) for e in self.env}
+        if self.eval is not None:
+            sampling = self.eval_sampling()
+            envs |= {EVAL_ENV_PREFIX + e.display_name: RolloutEnv(e, sampling, False) for e in self.eval.env}
+        return envs
 
     @property
     def groups_per_batch(self) -> int:

@@ -7,15 +7,7 @@ from pydantic import Field, model_validator
 
 from prime_rl.config import EntrypointConfig
 from prime_rl.inference.config import InferenceConfig
-from prime_rl.orchestrator.config import ClientConfig, ClientModelConfig, EnvSpec, SamplingConfig
-
-
-class EvalEnvConfig(EnvSpec):
-    num_examples: int | None = Field(None, ge=1)
-    """Evaluate the first this many tasks of the taskset (None: all of them)."""
-
-    rollouts_per_example: int = Field(1, ge=1)
-    """Rollouts per task; > 1 also reports pass@k."""
+from prime_rl.orchestrator.config import ClientConfig, ClientModelConfig, EvalEnvConfig, RolloutEnv, SamplingConfig
 
 
 class RolloutsConfig(EntrypointConfig):
@@ -54,6 +46,10 @@ class RolloutsConfig(EntrypointConfig):
 
     inference_timeout: float = Field(900.0, gt=0)
     """Seconds to wait for a served model (`[inference]`) to become healthy."""
+
+    def rollout_envs(self) -> dict[str, RolloutEnv]:
+        """The environments the in-process worker serves, by name, all with `sampling` (nothing here is trained)."""
+        return {e.display_name: RolloutEnv(e, self.sampling, False) for e in self.env}
 
     @model_validator(mode="after")
     def _check_envs(self):

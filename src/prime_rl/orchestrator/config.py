@@ -2,6 +2,7 @@
 without importing the orchestrator; re-exported here, its home for the orchestrator, `rl` and `eval`."""
 
 from prime_rl.config.orchestrator import (
+    EVAL_ENV_PREFIX,
     AdapterConfig,
     AdvantageConfig,
     BufferConfig,
@@ -9,14 +10,19 @@ from prime_rl.config.orchestrator import (
     ClientModelConfig,
     EnvConfig,
     EnvSpec,
+    EvalEnvConfig,
     LogExtrasConfig,
+    OnlineEvalConfig,
+    OnlineEvalEnvConfig,
     OrchestratorConfig,
+    RolloutEnv,
     SamplingConfig,
     TemperatureScalingConfig,
     TrainSamplingConfig,
 )
 
 __all__ = [
+    "EVAL_ENV_PREFIX",
     "AdapterConfig",
     "AdvantageConfig",
     "BufferConfig",
@@ -24,8 +30,12 @@ __all__ = [
     "ClientModelConfig",
     "EnvConfig",
     "EnvSpec",
+    "EvalEnvConfig",
     "LogExtrasConfig",
+    "OnlineEvalConfig",
+    "OnlineEvalEnvConfig",
     "OrchestratorConfig",
+    "RolloutEnv",
     "SamplingConfig",
     "TemperatureScalingConfig",
     "TrainSamplingConfig",

@@ -31,6 +31,7 @@ from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
+from prime_rl.orchestrator.evals import OnlineEvals, load_eval_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.temperature import TemperatureController
@@ -62,12 +63,13 @@ BENCH_COLUMNS = [
 (advantages, samples); with `--bench` nothing waits for or loads weights."""
 
 
-def load_environments(config: OrchestratorConfig) -> dict[str, EnvTasks]:
-    """Every environment and its tasks, checked against `seq_len`: a failure here names the environment and the
-    cause before any server or worker is touched (`rl` runs this too, before it starts anything)."""
+def load_environments(config: OrchestratorConfig) -> tuple[dict[str, EnvTasks], dict[str, EnvTasks]]:
+    """Every environment and its tasks, checked against `seq_len`, and the online evals' (`eval.env`): a failure
+    here names the environment and the cause before any server or worker is touched (`rl` runs this too, before it
+    starts anything)."""
     tasks = load_tasks(config.env, config.seq_len)
     check_prompts_fit(tasks, config.model, config.seq_len, config.sampling.max_tokens)
-    return tasks
+    return tasks, load_eval_tasks(config)
 
 
 def batch_samples(
@@ -152,7 +154,10 @@ def batch_metrics(
         "time/step": seconds,
         "time/wait_for_weights": stats.wait_for_weights,
         "time/update_weights": stats.update_weights,
-        "time/rollouts": max(0.0, collect_seconds - stats.wait_for_weights - stats.update_weights),
+        "time/rollouts": max(
+            0.0, collect_seconds - stats.wait_for_weights - stats.update_weights - stats.wait_for_evals
+        ),
+        "time/wait_for_evals": stats.wait_for_evals,
         "time/batch": seconds - collect_seconds,
         "weight_swaps": stats.swaps,
         "errors": stats.errors,
@@ -253,7 +258,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     exit_code = 1
     sigterm = SigtermCancels()  # how `rl` stops us: the cleanup below runs, and main() says "stopped"
     try:
-        tasks = load_environments(config)
+        tasks, eval_tasks = load_environments(config)
         ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
         buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
         # reinforce_mean's baseline and the temperature scaling keep state across steps (and checkpoints).
@@ -309,7 +314,14 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         logger.info(f"{config.workers} rollout worker(s) ready" if config.workers else "rollouts run in this process")
         frozen = freeze_setup_objects()
         logger.debug(f"{frozen} objects of set-up frozen: no collection walks them again (utils/gc_tuning.py)")
-        scheduler = (BenchScheduler if bench else Scheduler)(config, buffer, tasks, servers, workers, temperatures)
+        evals = None
+        if config.eval is not None and bench:
+            logger.info("bench: online evals off (the table measures training rollouts alone)")
+        elif config.eval is not None:
+            evals = OnlineEvals(config, eval_tasks, servers, workers, monitor, progress.step if resuming else None)
+        scheduler = (BenchScheduler if bench else Scheduler)(
+            config, buffer, tasks, servers, workers, temperatures, evals
+        )
         while max_steps is None or progress.step < max_steps:
             step = progress.step + 1
             start = time.perf_counter()
@@ -356,6 +368,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 if temperatures is not None:
                     states["temperature"] = temperatures.state_dict()
                 logger.info(f"checkpoint {ckpt.save(output_dir, progress, states, config.ckpt)}")
+        if evals is not None and max_steps is not None:
+            await scheduler.final_evals(max_steps)
         if bench:
             print(format_bench_table(bench_rows, BENCH_COLUMNS), flush=True)
         exit_code = 0

@@ -27,6 +27,11 @@ for step 0, the run's adapter after. Finished groups that are too old for the ba
 they would land in (longer than expected in flight) are dropped, as are groups spanning more than
 `max_off_policy_steps` updates.
 
+Online evals (`evals.OnlineEvals`, when configured) run beside the training groups, in the same workers: a pass starts
+when the servers first serve a policy it is due at, and before every swap the scheduler asks the pass in flight to
+hold the swap (it then waits, pumping finished groups, until the pass is done) or to be discarded and rerun on the new
+policy; see that module for which. Eval groups have negative ids and are handed to it.
+
 Liveness: every wait is bounded. A run in which nothing trainable arrives (every rollout failing or too long,
 every group filtered, no weights from the trainer) stops with a message naming what it waited for and what it
 saw instead: after `unusable_limit` consecutive groups without a usable rollout, or `stall_timeout` seconds
@@ -47,6 +52,7 @@ from prime_rl.orchestrator.advantage import group_has_signal
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
+from prime_rl.orchestrator.evals import OnlineEvals
 from prime_rl.orchestrator.messages import GroupDone, RolloutResult, RunGroup
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.temperature import TemperatureController
@@ -122,6 +128,8 @@ class StepStats:
     groups_per_server: dict[str, int] = field(default_factory=dict)
     gated: int = 0
     """Groups started before their policy was served (they set up while the trainer trained it)."""
+    wait_for_evals: float = 0.0
+    """Seconds a swap waited for the online eval pass in flight to finish."""
 
 
 class Liveness:
@@ -202,9 +210,12 @@ class Scheduler:
         servers: InferenceServers,
         workers: RolloutWorkers,
         temperatures: TemperatureController | None = None,
+        evals: OnlineEvals | None = None,
     ):
         self.config, self.buffer, self.tasks, self.servers, self.workers = config, buffer, tasks, servers, workers
-        self.temperatures = temperatures
+        self.temperatures, self.evals = temperatures, evals
+        self.oldest = 0
+        """The oldest policy the batch being collected accepts."""
         self.k = config.max_async_level
         self.inflight: dict[int, Group] = {}
         self.retry_queue: list[Group] = []
@@ -239,7 +250,10 @@ class Scheduler:
         logger.info(f"{why}: waiting for the trainer to publish it")
         start = warned = time.monotonic()
         while (latest := await self.servers.latest_published()) < step:
-            await asyncio.sleep(self.weights_poll)
+            if self.evals is not None and self.evals.running:
+                await self.receive(self.weights_poll)  # the eval pass goes on meanwhile: take its groups as they end
+            else:
+                await asyncio.sleep(self.weights_poll)
             self._check_fatal()
             if (ended := self.servers.trainer_error()) is not None:
                 raise StallError(f"{why}, but the trainer will not publish it: {ended}")
@@ -257,6 +271,11 @@ class Scheduler:
         return latest
 
     async def swap(self, step: int) -> None:
+        if self.evals is not None and self.evals.running:
+            if self.evals.holds_swaps():
+                await self._finish_eval_pass(step)
+            else:
+                self.evals.interrupt(step)
         old = self.servers.version
         seconds = await self.servers.load_policy(step)
         if self.servers.version == old:
@@ -266,6 +285,49 @@ class Scheduler:
         self.liveness.progress()  # the trainer moved: time spent waiting for it is no rollout stall
         n = len(self.servers.healthy())
         logger.info(f"policy step {old} -> {self.servers.version} on {n} server(s) in {seconds:.3f}s")
+
+    async def _finish_eval_pass(self, step: int) -> None:
+        """Hold the swap to `step` until the eval pass in flight is done (training groups finishing meanwhile are
+        taken as usual); at most `stall_timeout` seconds."""
+        start = time.monotonic()
+        logger.debug(f"policy step {step} waits for the eval of policy step {self.evals.current.step}")
+        while self.evals.running:
+            self._check_fatal()
+            await self.receive()
+            if (waited := time.monotonic() - start) > self.config.stall_timeout:
+                raise StallError(
+                    f"the eval of policy step {self.evals.current.step} did not finish within {waited:.0f}s "
+                    f"(stall_timeout): {len(self.evals.current.inflight)} eval group(s) in flight"
+                )
+        self.stats.wait_for_evals += time.monotonic() - start
+
+    async def final_evals(self, step: int) -> None:
+        """After the last batch: serve each newer policy as the trainer publishes it (a broadcast trainer waits until
+        each is taken), up to its last, `step`, and finish the eval passes due on the way and on it."""
+        while self.servers.version < step:
+            latest = await self._wait_for(self.servers.version + 1, f"the final eval needs policy step {step}")
+            await self.swap(min(latest, step))
+            await self.announce_policy()
+        while self.evals.running:
+            await self._finish_eval_pass(step)
+
+    async def receive(self, timeout: float | None = None) -> None:
+        """Take the next finished group, if one comes within `timeout` (default: a poll): an eval group goes to the
+        evals, a training group is judged (`on_done`) and, if accepted but too old for the batch being collected,
+        dropped."""
+        done = await self.workers.receive(timeout=self.poll if timeout is None else timeout)
+        if done is None:
+            return
+        if self.evals is not None and self.evals.owns(done.id):
+            await self.evals.on_done(done)
+            return
+        accepted = len(self.finished)
+        self.on_done(done)
+        # Only a group accepted just now can be too old: the others passed this check with the same `oldest`
+        # (re-checking them all costs a pass over every token of every finished group, per finished group).
+        fresh = [g for g in self.finished[accepted:] if g.version >= self.oldest]
+        self.stats.dropped_stale += len(self.finished) - accepted - len(fresh)
+        self.finished[accepted:] = fresh
 
     def _check_fatal(self) -> None:
         if self.servers.fatal is not None:
@@ -320,6 +382,8 @@ class Scheduler:
         if self.servers.version > self.announced:
             self.announced = self.servers.version
             await self.workers.policy_served(self.announced)
+            if self.evals is not None:
+                await self.evals.start(self.announced)
 
     async def _submit(self, group: Group) -> None:
         self.inflight[group.id] = group
@@ -409,7 +473,7 @@ class Scheduler:
 
     async def collect(self, batch: int) -> list[Group]:
         """Groups for `batch`: at least `batch_size` trained rollouts, each started on a policy the bound allows."""
-        oldest = min_policy_for(batch, self.k)
+        self.oldest = oldest = min_policy_for(batch, self.k)
         usable = [g for g in self.finished if g.version >= oldest]
         self.stats.dropped_stale += len(self.finished) - len(usable)
         self.finished = usable
@@ -424,15 +488,7 @@ class Scheduler:
                     f"batch {batch}: nothing in flight and no group may start (policy step {self.servers.version}, "
                     f"{trained_rollouts(self.finished)} of {self.config.batch_size} rollouts finished)"
                 )
-            done = await self.workers.receive(timeout=self.poll)
-            if done is not None:
-                accepted = len(self.finished)
-                self.on_done(done)
-                # Only a group accepted just now can be too old: the others passed this check with the same `oldest`
-                # (re-checking them all costs a pass over every token of every finished group, per finished group).
-                fresh = [g for g in self.finished[accepted:] if g.version >= oldest]
-                self.stats.dropped_stale += len(self.finished) - accepted - len(fresh)
-                self.finished[accepted:] = fresh
+            await self.receive()
             self.liveness.check(self.inflight)
         return self._take_batch()
 

@@ -93,11 +93,19 @@ class Worker:
                 "renderer_model_name": config.model.name,
             }
         self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_url}
-        self.sampling = vf.SamplingConfig(**request_sampling(config.sampling, chat_api))
-        self.envs = {e.display_name: load_env(e, config.seq_len) for e in config.env}
-        self.result_options = {"keep_messages": keep_messages, "chat_api": chat_api, "training": training}
+        # By the name groups give: the training environments and, in the orchestrator, its online evals' (`eval/x`),
+        # each with its own sampling; only a training environment's traces are judged for training.
+        rollout_envs = config.rollout_envs()
+        self.envs = {name: load_env(e.spec, config.seq_len) for name, e in rollout_envs.items()}
+        self.sampling = {
+            name: vf.SamplingConfig(**request_sampling(e.sampling, chat_api)) for name, e in rollout_envs.items()
+        }
+        options = {"keep_messages": keep_messages, "chat_api": chat_api}
         if getattr(config, "adapter", None) is not None:
-            self.result_options["token_versions"] = False  # vLLM labels adapter tokens with the base's version
+            options["token_versions"] = False  # vLLM labels adapter tokens with the base's version
+        self.result_options = {
+            name: options | {"training": training and e.training} for name, e in rollout_envs.items()
+        }
         self.loop_lag: LoopLagMonitor | None = None
         """Set by a worker process that watches its event loop; its worst lag goes back with each group."""
 
@@ -123,7 +131,7 @@ class Worker:
         env = self.envs[request.env]
         task = self.build_task(request.env, request.task)
         model = request.model or self.config.model.api_name
-        sampling = self.sampling
+        sampling, options = self.sampling[request.env], self.result_options[request.env]
         if request.temperature is not None:
             # Every seat's sampling is merged over the context's (verifiers' resolve_agent), so the trace records it.
             sampling = sampling.model_copy(update={"temperature": request.temperature})
@@ -135,7 +143,7 @@ class Worker:
             start = time.perf_counter()
             try:
                 episode = await env.run_episode(task, ctx)
-                results = episode_results(episode, time.perf_counter() - start, **self.result_options)
+                results = episode_results(episode, time.perf_counter() - start, **options)
             except Exception as e:  # the episode boundary records hook failures; this is a last resort
                 results = [RolloutResult(reward=0.0, samples=[], error=f"{type(e).__name__}: {e}"[:500])]
             for result in results:

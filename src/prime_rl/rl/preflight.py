@@ -41,7 +41,7 @@ def check_environments(orchestrators: list[OrchestratorConfig]) -> None:
 
     checked = []
     for orch in orchestrators:
-        key = (orch.model, orch.seq_len, orch.sampling.max_tokens, orch.env)
+        key = (orch.model, orch.seq_len, orch.sampling.max_tokens, orch.env, orch.eval)
         if key in checked:
             continue
         checked.append(key)

@@ -29,8 +29,9 @@ from prime_rl.utils.secret import RunKeys
 TRAINER_DONE_GRACE = 60.0
 """Seconds a run's orchestrator may still run after the trainer finished (its last checkpoint, W&B)."""
 
-# Lines of the orchestrator's and trainer's logs shown on the console: step lines, and warnings and errors.
-STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| (step \d+ \|.*)$")
+# Lines of the orchestrator's and trainer's logs shown on the console: step lines (the orchestrator's online evals'
+# too), and warnings and errors.
+STEP_LINE = re.compile(r"\| (?:INFO|SUCCESS)\s+\| \S+ \| [^|]+ \| ((?:eval )?step \d+ \|.*)$")
 PROBLEM_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL)\s+\| \S+ \| [^|]+ \| (.*)$")
 
 

@@ -62,6 +62,9 @@ class Monitor:
         self.run = None
         if wandb_config is not None:
             self.run = _init_wandb(self.output_dir, process, wandb_config, run_config or {}, resume)
+        self.wandb_step = -1
+        """The newest step W&B was given: it drops a row logged below it, so a later row of an older step (an online
+        eval finishing after newer training steps) goes to this one, and is plotted against its own axis."""
         self.tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # only when asked: it needs the tensorboard package
@@ -71,12 +74,21 @@ class Monitor:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         append_metrics(self.output_dir, self.process, step, metrics)
         if self.run is not None:
-            self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+            self.wandb_step = max(self.wandb_step, step)
+            self.run.log({k: v for k, v in metrics.items() if v is not None}, step=self.wandb_step)
         if self.tensorboard is not None:
             for name, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     self.tensorboard.add_scalar(name, value, step)
             self.tensorboard.flush()  # a crashed process keeps what it logged
+
+    def define_axis(self, prefix: str, axis: str) -> None:
+        """W&B plots the metrics named `prefix*` against the metric `axis` (logged with them), not the process's step:
+        rows that may be logged after newer steps (see `wandb_step`) still land at their own x. metrics.jsonl and
+        TensorBoard take every row at its own step anyway."""
+        if self.run is not None:
+            self.run.define_metric(axis)
+            self.run.define_metric(f"{prefix}*", step_metric=axis)
 
     def log_distribution(self, step: int, name: str, values: list[float]) -> dict[str, float]:
         """W&B gets a histogram; returns `name/{mean,std,min,max,p10,p50,p90}` for the caller to add to the step's

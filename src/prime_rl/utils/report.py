@@ -63,7 +63,9 @@ LINE_PLOTS = [
 
 STEP_TIME = {
     # process: (total key or None = sum of parts, waiting parts, working parts); a None key is the rest of the total.
-    "orchestrator": ("time/step", [("time/wait_for_weights", "waiting for weights")], [
+    "orchestrator": ("time/step", [
+        ("time/wait_for_weights", "waiting for weights"), ("time/wait_for_evals", "waiting for an eval pass"),
+    ], [
         ("time/update_weights", "updating weights"), (None, "rollouts"),
     ]),
     "trainer": (None, [("time_data", "waiting for the batch")], [
@@ -119,6 +121,35 @@ def reward_plot(data: Metrics) -> Figure | None:
     return fig
 
 
+def eval_envs(data: Metrics) -> list[str]:
+    """The environments the orchestrator's online evals logged (`eval/<env>/reward_mean`)."""
+    keys = {k for row in data.get("orchestrator", {}).values() for k in row}
+    return sorted(
+        k.split("/")[1] for k in keys if k.startswith("eval/") and k.endswith("/reward_mean") and k.count("/") == 2
+    )
+
+
+def eval_plot(data: Metrics) -> Figure | None:
+    """The held-out curve during RL: each online eval environment's avg@k (its mean reward) and pass@k at the policy
+    step each pass measured, beside the training batches' mean reward."""
+    envs = eval_envs(data)
+    if not envs:
+        return None
+    fig, ax = new_figure("Held-out reward during RL (online evals)", "reward")
+    steps, train = series(data, "orchestrator", "reward/mean")
+    if steps:
+        ax.plot(steps, train, color="#9e9e9e", linewidth=1, label="training batches: reward/mean")
+    keys = {k for row in data["orchestrator"].values() for k in row}
+    for env in envs:
+        ks = sorted(int(k.rsplit("@", 1)[1]) for k in keys if k.startswith(f"eval/{env}/pass@"))
+        avg = next((f"eval/{env}/avg@{k}" for k in reversed(ks) if f"eval/{env}/avg@{k}" in keys), None)
+        for key, style in [(avg or f"eval/{env}/reward_mean", "-"), (f"eval/{env}/pass@{ks[-1]}" if ks else None, ":")]:
+            if key is not None:
+                ax.plot(*series(data, "orchestrator", key), linestyle=style, marker="o", label=key)
+    ax.legend(fontsize="small")
+    return fig
+
+
 def step_time_plot(data: Metrics, process: str) -> Figure | None:
     """Where a process's step time went: waiting (grey) vs working (colours), stacked."""
     total_key, waiting, working = STEP_TIME[process]
@@ -157,7 +188,7 @@ def _known_time(row: dict, parts: list) -> float:
 
 def build_plots(data: Metrics) -> list[tuple[str, str, Figure]]:
     """(file name, title, figure) of every plot the data supports, in page order."""
-    candidates = [("reward", reward_plot(data))]
+    candidates = [("reward", reward_plot(data)), ("eval", eval_plot(data))]
     candidates += [(p.name, line_plot(data, p)) for p in LINE_PLOTS]
     candidates += [(f"step_time_{p}", step_time_plot(data, p)) for p in STEP_TIME]
     return [(name, fig.axes[0].get_title(), fig) for name, fig in candidates if fig is not None]
