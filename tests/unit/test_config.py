@@ -379,3 +379,38 @@ def test_union_member_key_of_another_type_names_the_flag(capsys):
 
     err = fails(RealTrainerConfig, ["--optim.type", "sgd", "--optim.betas", "0.1,0.2"], capsys)
     assert "unknown key `optim.betas` (from --optim.betas)" in err
+
+
+def test_an_unknown_key_inside_a_typed_section_keeps_its_name(tmp_path, capsys):
+    """`optim` and sft's `data` are unions tagged by `type`: the key's own name is reported, not its section's."""
+    from prime_rl.rl.config import RLConfig
+    from prime_rl.trainer.sft.config import SFTConfig
+
+    err = fails(RLConfig, ["@", str(write(tmp_path / "rl.toml", "[trainer.optim]\nlrr = 1\n"))], capsys)
+    assert "unknown key `trainer.optim.lrr`" in err and "did you mean `trainer.optim.lr`" in err
+    err = fails(SFTConfig, ["@", str(write(tmp_path / "sft.toml", "[data]\nbach_size = 4\n"))], capsys)
+    assert err.count("unknown key `data.bach_size`") == 1 and "another `type`" not in err
+
+
+def test_did_you_mean_asks_by_meaning_before_spelling(capsys):
+    """Upstream prime-rl's names of our settings, on the command line (files are translated): `group_size` once
+    suggested `output_dir`, `lora_name` `wandb.name` and `impl` `cp`."""
+    from prime_rl.rl.config import RLConfig
+
+    err = fails(RLConfig, ["--orchestrator.group-size", "4"], capsys)
+    assert "did you mean `orchestrator.rollouts_per_example`? upstream prime-rl's `group_size`" in err
+    err = fails(RLConfig, ["--orchestrator.lora-name", "r8"], capsys)
+    assert "did you mean `orchestrator.adapter.name`?" in err
+    err = fails(RLConfig, ["--trainer.model.impl", "hf"], capsys)
+    assert "trainer.model.cp" not in err and "the Hugging Face one always runs here" in err
+    err = fails(RLConfig, ["--deployment.num-train-gpus", "2"], capsys)
+    assert "did you mean `trainer_gpu_ids`?" in err
+
+
+def test_an_empty_table_where_a_boolean_is_taken_means_on(tmp_path, capsys):
+    from prime_rl.trainer.config import TrainerConfig as RealTrainerConfig
+
+    config, _ = load_config(
+        RealTrainerConfig, "trainer", ["@", str(write(tmp_path / "t.toml", "[model.ac]\n[model.compile]\n"))]
+    )
+    assert config.model.ac is True and config.model.compile is True
