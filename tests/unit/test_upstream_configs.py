@@ -131,3 +131,23 @@ def test_one_setting_under_both_spellings_must_agree(tmp_path):
         read(path, "rl")
     path.write_text("[orchestrator]\ngroup_size = 4\nrollouts_per_example = 4\nbatch_size = 16\n")
     assert read(path, "rl")[0].orchestrator.rollouts_per_example == 4
+
+
+def test_online_evals_and_validation_of_both_generations():
+    config, _ = read(CORPUS / "current" / "rl_online_eval.toml", "rl")
+    ev = config.orchestrator.eval
+    assert ev.interval == 10 and ev.sampling.max_tokens == 32
+    assert [(e.id, e.name, e.num_examples) for e in ev.env] == [("reverse-text", "rt", 8)]
+    config, _ = read(CORPUS / "earlier" / "orch_eval.toml", "orchestrator")
+    (env,) = config.eval.env
+    assert (config.eval.interval, env.name, env.num_examples, env.rollouts_per_example, env.args) == (
+        5, "rt-held-out", 12, 2, {"seed": 99})  # fmt: skip
+    config, notes = read(CORPUS / "earlier" / "orch_val.toml", "orchestrator")
+    (env,) = config.eval.env
+    assert (env.id, env.name, env.num_examples, config.eval.env_interval(env)) == (
+        "reverse-text",
+        "reverse-text-val",
+        16,
+        5,
+    )
+    assert any("upstream sampled its eval split" in n for n in notes)

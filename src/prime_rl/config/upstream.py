@@ -253,10 +253,63 @@ def _orchestrator(t: Translator, at: Key) -> None:
                 v.get("type", "grpo") == "grpo" and set(v) <= {"type"})  # fmt: skip
     t.refuse(at + ("algo",), "training algorithms other than GRPO (distillation, self-play, ...) are not supported yet")
     t.refuse(at + ("concurrency",), "adaptive in-flight control is not supported yet (ours: `oversampling`)")
-    t.refuse(at + ("eval",), "evals during `rl` are not supported yet (run `eval` on the saved steps)")
-    t.refuse(at + ("val",), "validation on the training environments during `rl` is not supported yet")
+    _online_eval(t, at + ("eval",))
+    _validation(t, at)
     t.refuse(at + ("teacher_model",), "a teacher model (distillation) is not supported yet")
     t.refuse(at + ("curriculum",), "curricula (task samplers and admission gates) are not supported yet")
+
+
+def _online_eval(t: Translator, ev: Key) -> None:
+    """`[orchestrator.eval]` of either generation onto ours (docs/rl.md, "Online evals")."""
+    if not isinstance(t.get(ev), dict):
+        return
+    _sampling(t, ev + ("sampling",))
+    for name in ("source", "env"):
+        _env_list(t, ev + (name,), ev + ("env",), eval_item=True)
+    defaults = {}
+    for src, ours in ((("select", "limit"), "num_examples"), (("num_examples",), "num_examples"),
+                      (("group_size",), "rollouts_per_example"), (("rollouts_per_example",), "rollouts_per_example")):  # fmt: skip
+        value = t.pop(ev + src)
+        if value is not _MISSING:
+            defaults[ours] = value
+            t.notes.append(f"`{dotted(ev + src)}` -> every `{dotted(ev + ('env', ours))}`")
+    for env in t.get(ev + ("env",)) if isinstance(t.get(ev + ("env",)), list) else []:
+        for key, value in defaults.items():
+            if not (key == "num_examples" and value == -1):  # upstream's "all" is our None
+                env.setdefault(key, value)
+    t.leave_out(ev + ("eval_base_model",), "the policy before step 1 is always evaluated here", lambda v: v is True)
+    t.refuse(ev + ("eval_base_model",), "skipping the eval of the policy before step 1 is not supported")
+    for name in ("skip_eval_on_resume", "skip_eval_on_restart"):
+        t.leave_out(ev + (name,), "a resumed run does not evaluate its resumed step again here", lambda v: v is True)
+        t.refuse(ev + (name,), "re-evaluating the resumed step is not supported")
+    t.refuse(ev + ("select",), "example selection other than `limit`")
+
+
+def _validation(t: Translator, at: Key) -> None:
+    """The earlier generation's `[val]`: a sample of the training environments, evaluated every `interval` steps;
+    here an online eval of each training environment's first `num_examples` tasks, named `<env>-val`."""
+    val = t.pop(at + ("val",))
+    if val is _MISSING:
+        return
+    if not isinstance(val, dict) or set(val) - {"num_examples", "rollouts_per_example", "interval"}:
+        t.refusals.append(f"`{dotted(at + ('val',))}` (from {t.origin}): options other than num_examples, "
+                          "rollouts_per_example and interval")  # fmt: skip
+        return
+    envs = t.get(at + ("env",))
+    envs = envs if isinstance(envs, list) else [{"id": "reverse-text"}]
+    extra = {k: val[k] for k in ("num_examples", "rollouts_per_example", "interval") if k in val}
+    extra.setdefault("num_examples", 16)
+    extra.setdefault("interval", 10)
+    validation = [{**{k: e[k] for k in ("id", "args", "harness") if k in e}, "name": f"{e.get('name', e.get('id', 'reverse-text'))}-val", **extra}
+                  for e in envs]  # fmt: skip
+    current = t.get(at + ("eval", "env"))
+    t.pop(at + ("eval", "env"))
+    t.put(at + ("eval", "env"), (current if isinstance(current, list) else []) + validation, at + ("val",))
+    t.notes.append(
+        f"`[{dotted(at + ('val',))}]` -> an online eval of each training environment's first "
+        f"{extra['num_examples']} tasks every {extra['interval']} steps (`[[{dotted(at + ('eval', 'env'))}]]` named "
+        "`<env>-val`; upstream sampled its eval split)"
+    )
 
 
 def _model(t: Translator, at: Key, seq_len_to: Key | None) -> None:
