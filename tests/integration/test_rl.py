@@ -123,6 +123,70 @@ def test_rl_respects_the_async_level_and_trains_every_batch_once(tied_server):
     assert checkpoints == [f"step_{steps}"], checkpoints
 
 
+EVALS = (
+    '[orchestrator.eval]\ninterval = 2\npass_threshold = 0.2\n[[orchestrator.eval.env]]\nid = "reverse-text"\n'
+    'name = "held-out"\nargs = { seed = 1 }\nnum_examples = 4\nrollouts_per_example = 2\n'
+)
+
+
+@pytest.mark.slow
+def test_rl_online_evals_measure_one_policy_each(tied_server, tmp_path):
+    """3 steps at k = 0 with evals every 2 steps: passes of policies 0, 2 and 3 (the final one), each logged at the
+    step it measured, and every token of every eval rollout sampled by exactly that policy (vLLM's per-token
+    versions). pass@k and avg@k are recomputed by hand from the pass's own rollouts. Metrics reach metrics.jsonl,
+    the console, TensorBoard and W&B (offline)."""
+    from itertools import combinations
+
+    srv = tied_server
+    out = srv.root / "rl" / "evals"
+    out.mkdir(parents=True)
+    config = write_config(tmp_path / "rl.toml", srv, out, k=0, steps=3, extra=broadcast(srv), envs=REVERSE_TEXT + EVALS)
+    log = tmp_path / "rl.log"
+    proc = start_rl(config, "--tensorboard", "--wandb.name", "ev", "--wandb.offline", log=log)
+    try:
+        assert wait_rl(proc, 600) == 0, log.read_text()[-4000:]
+    finally:  # the next test starts from the server's own weights
+        httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=60).raise_for_status()
+    rows = [m for m in orchestrator_metrics(out) if "eval/step" in m]
+    assert [(m["step"], m["eval/step"]) for m in rows] == [(0, 0), (2, 2), (3, 3)], rows
+    console = log.read_text()
+    for step in (0, 2, 3):
+        assert f"[orchestrator] eval step {step} | held-out avg@2 " in console, console[-3000:]
+        records = [json.loads(line) for line in (out / "evals" / f"step_{step}" / "results.jsonl").open()]
+        assert len(records) == 8 and all(r["error"] is None for r in records)
+        # One policy per pass: every sampled token of the pass came from the policy it is logged at.
+        assert all(r["step"] == step and r["policy_versions"] == [step] for r in records), records
+        (row,) = [m for m in rows if m["step"] == step]
+        by_example = {}
+        for r in records:
+            by_example.setdefault(r["example_id"], []).append(r["reward"])
+        assert sorted(by_example) == [0, 1, 2, 3] and all(len(v) == 2 for v in by_example.values())
+        # pass@k by hand: the share of k-subsets of an example's 2 rollouts with one solved (reward >= 0.2).
+        for k in (1, 2):
+            by_hand = [
+                sum(any(x >= 0.2 for x in c) for c in combinations(v, k)) / len(list(combinations(v, k)))
+                for v in by_example.values()
+            ]
+            assert row[f"eval/held-out/pass@{k}"] == pytest.approx(sum(by_hand) / 4)
+        assert row["eval/held-out/avg@2"] == pytest.approx(sum(sum(v) / 2 for v in by_example.values()) / 4)
+        assert row["eval/held-out/reward_mean"] == pytest.approx(sum(r["reward"] for r in records) / 8)
+        assert row["eval/held-out/completion_len"] == pytest.approx(sum(r["completion_tokens"] for r in records) / 8)
+    # The same pass in TensorBoard (at the measured steps) and W&B (every eval key, plotted against eval/step).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from wandb_offline import wandb_records
+
+    events = EventAccumulator(str(out / "tensorboard" / "orchestrator"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/held-out/avg@2")] == [0, 2, 3]
+    keys = set()
+    for path in out.glob("wandb/offline-run-*/run-*.wandb"):
+        records = list(wandb_records(path))
+        if [r.run.display_name for r in records if r.WhichOneof("record_type") == "run"] == ["ev-orchestrator"]:
+            history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+            keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
+    assert {"eval/step", "eval/held-out/pass@2", "eval/held-out/avg@2", "reward/mean"} <= keys, keys
+
+
 def check_tensorboard(out: Path, steps: int) -> None:
     """Both processes' step metrics as TensorBoard scalars, the orchestrator's reward histograms (every 2 steps)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -263,3 +263,17 @@ def test_final_policy_is_evaluated_even_off_interval(tmp_path):
     run(evals.start(5))
     assert evals.running and evals.current.step == 5
     assert len(list(itertools.chain(workers.sent))) == 2
+
+
+def test_rl_sizes_the_servers_for_an_eval_pass_beside_training(tmp_path):
+    """`rl` gives vLLM room for the rollouts in flight: training's, plus an eval pass's (at most as many again)."""
+    from prime_rl.rl.config import RLConfig
+
+    def seqs(**orchestrator):
+        config = RLConfig(output_dir=tmp_path, inference={}, orchestrator={"batch_size": 64, **orchestrator})
+        return config.inference.max_num_seqs
+
+    one_pass = {"env": [{"id": "reverse-text", "num_examples": 16, "rollouts_per_example": 2}]}
+    assert seqs() == 64  # 8 groups of 8
+    assert seqs(eval=one_pass) == 64 + 32
+    assert seqs(eval={"env": [{"id": "reverse-text"}]}) == 128  # every task: unknown here, as many again

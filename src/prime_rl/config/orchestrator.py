@@ -458,6 +458,16 @@ class OrchestratorConfig(EntrypointConfig):
         return envs
 
     @property
+    def eval_rollouts_per_pass(self) -> int | None:
+        """Rollouts of an online eval pass of every eval environment: 0 without evals, None where an environment
+        evaluates all its tasks (`num_examples` unset: unknown until it is loaded)."""
+        if self.eval is None:
+            return 0
+        if any(e.num_examples is None for e in self.eval.env):
+            return None
+        return sum(e.num_examples * e.rollouts_per_example for e in self.eval.env)
+
+    @property
     def groups_per_batch(self) -> int:
         return self.batch_size // self.rollouts_per_example
 

@@ -241,13 +241,19 @@ class RLConfig(EntrypointConfig):
 
     def _rollouts_in_flight(self) -> int | None:
         """The most rollouts this host's orchestrators keep in flight, each with at most one model call at a time:
-        the servers never need more sequences at once (more calls, e.g. a judge's, queue). None when a run's config
+        the servers never need more sequences at once (more calls, e.g. a judge's, queue). An online eval pass runs
+        beside them: its rollouts count too, up to as many again (a larger pass queues). None when a run's config
         does not load (reported when the runs start)."""
         try:
             orchs = list(self.run_orchestrators().values()) if self.runs else [self.orchestrator]
         except ValueError:
             return None
-        return sum(o.groups_in_flight * o.rollouts_per_example for o in orchs)
+        total = 0
+        for o in orchs:
+            training = o.groups_in_flight * o.rollouts_per_example
+            per_pass = o.eval_rollouts_per_pass
+            total += training + (training if per_pass is None else min(training, per_pass))
+        return total
 
     def _lora(self) -> None:
         """LoRA: every run's orchestrator trains an adapter, the trainer has a slot for each, inference serves them."""
