@@ -277,3 +277,93 @@ def test_rl_sizes_the_servers_for_an_eval_pass_beside_training(tmp_path):
     assert seqs() == 64  # 8 groups of 8
     assert seqs(eval=one_pass) == 64 + 32
     assert seqs(eval={"env": [{"id": "reverse-text"}]}) == 128  # every task: unknown here, as many again
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scheduler's side: a swap waits for the pass in flight (k = 0) or discards it (k >= 1).
+
+
+class SwappingServers(Servers):
+    """Also swaps: `load_policy` moves every server to the step at once, as `InferenceServers` does."""
+
+    recovering, fatal = {}, None
+
+    def healthy(self):
+        return self.urls
+
+    async def load_policy(self, step):
+        self.version = step
+        return 0.0
+
+
+class AnsweringWorkers(Workers):
+    """Keeps the groups sent; `receive` hands back the answers queued with `answer_all`."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = asyncio.Queue()
+        self.served = []
+
+    async def policy_served(self, step):
+        self.served.append(step)
+
+    def answer_all(self, version):
+        for request in self.sent:
+            self.done.put_nowait(answer(request, version))
+        self.sent.clear()
+
+    async def receive(self, timeout):
+        try:
+            return await asyncio.wait_for(self.done.get(), timeout)
+        except TimeoutError:
+            return None
+
+
+def scheduler_with_evals(tmp_path, k):
+    from prime_rl.orchestrator.scheduler import Scheduler
+
+    evals, _, _ = make_evals(tmp_path, k)
+    servers, workers = SwappingServers(), AnsweringWorkers()
+    evals.servers, evals.workers = servers, workers
+    s = Scheduler(evals.config, None, {}, servers, workers, evals=evals)
+    return s, evals, servers, workers
+
+
+def test_at_k0_the_swap_waits_until_the_pass_is_done(tmp_path):
+    s, evals, servers, workers = scheduler_with_evals(tmp_path, k=0)
+
+    async def scenario():
+        servers.version = 2
+        await evals.start(2)
+        swap = asyncio.create_task(s.swap(3))
+        await asyncio.sleep(0.3)
+        assert not swap.done() and servers.version == 2  # held while the pass runs
+        workers.answer_all(2)
+        await asyncio.wait_for(swap, 5)
+        assert servers.version == 3 and not evals.running
+
+    run(scenario())
+    assert [row["step"] for row in logged(tmp_path)] == [2]
+    assert s.stats.wait_for_evals >= 0.3
+
+
+def test_at_k1_the_swap_goes_ahead_and_the_pass_reruns_on_the_new_policy(tmp_path):
+    s, evals, servers, workers = scheduler_with_evals(tmp_path, k=1)
+
+    async def scenario():
+        servers.version = 2
+        await s.announce_policy()  # the pass of step 2 starts with the policy at k >= 1
+        assert evals.running and evals.current.step == 2
+        workers.answer_all(2)  # its answers come back only after the swap: dropped
+        await asyncio.wait_for(s.swap(3), 1)
+        await s.announce_policy()
+        assert servers.version == 3 and evals.current.step == 3 and evals.current.interruptions == 1
+        while not workers.done.empty():
+            await s.receive(0.1)
+        assert evals.running  # the late answers did not finish the new pass
+        workers.answer_all(3)
+        while evals.running:
+            await s.receive(0.1)
+
+    run(scenario())
+    assert [row["step"] for row in logged(tmp_path)] == [3]

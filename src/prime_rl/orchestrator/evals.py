@@ -2,8 +2,9 @@
 
 A pass evaluates one policy version on the environments due at it: the policy before step 1 (step 0), then every
 `interval` steps per environment (the first version served at or after the due step), and the final policy. It
-starts as soon as the servers serve that version and runs beside the training rollouts, in the same rollout workers
-(the eval environments are served there as `eval/<name>`, with their own sampling).
+starts as soon as the servers serve that version (at k = 0: once the batch sampled on it is complete, while the
+trainer trains and the servers would idle) and runs beside the training rollouts, in the same rollout workers (the
+eval environments are served there as `eval/<name>`, with their own sampling).
 
 One version per pass: all servers serve one policy, and the only thing that changes it is the scheduler's swap. So
 a swap first asks the pass in flight (`holds_swaps`): at k = 0 (where training waits for that swap anyway), for the

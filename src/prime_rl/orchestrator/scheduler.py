@@ -28,7 +28,8 @@ they would land in (longer than expected in flight) are dropped, as are groups s
 `max_off_policy_steps` updates.
 
 Online evals (`evals.OnlineEvals`, when configured) run beside the training groups, in the same workers: a pass starts
-when the servers first serve a policy it is due at, and before every swap the scheduler asks the pass in flight to
+when the servers first serve a policy it is due at (at k = 0 once the batch sampled on it is complete, so it runs
+while the trainer trains), and before every swap the scheduler asks the pass in flight to
 hold the swap (it then waits, pumping finished groups, until the pass is done) or to be discarded and rerun on the new
 policy; see that module for which. Eval groups have negative ids and are handed to it.
 
@@ -308,6 +309,7 @@ class Scheduler:
             latest = await self._wait_for(self.servers.version + 1, f"the final eval needs policy step {step}")
             await self.swap(min(latest, step))
             await self.announce_policy()
+            await self.evals.start(self.servers.version)
         while self.evals.running:
             await self._finish_eval_pass(step)
 
@@ -382,7 +384,7 @@ class Scheduler:
         if self.servers.version > self.announced:
             self.announced = self.servers.version
             await self.workers.policy_served(self.announced)
-            if self.evals is not None:
+            if self.evals is not None and self.k > 0:  # at k = 0 once its batch is complete (`collect`)
                 await self.evals.start(self.announced)
 
     async def _submit(self, group: Group) -> None:
@@ -490,6 +492,10 @@ class Scheduler:
                 )
             await self.receive()
             self.liveness.check(self.inflight)
+        if self.evals is not None and self.k == 0:
+            # At k = 0 the servers idle while the trainer trains this batch: the pass of the policy that sampled it
+            # runs then, not beside the batch the trainer waits for (the swap to the next policy waits for it).
+            await self.evals.start(self.servers.version)
         return self._take_batch()
 
     def _take_batch(self) -> list[Group]:
