@@ -67,6 +67,7 @@ def build_config(
         data = deep_merge(data, file_data)
         sources.update({scope + p: s for p, s in file_sources.items()})
         sources.update({p: str(path) for p in leaf_paths(file_data) if p not in sources})
+    data = _cli_overrides_sections(cls, data, cli, notes)
     sources.update(parsed.cli_sources)
     for path in parsed.cli_nulls:
         cli = deep_merge(cli, nest(path, None))
@@ -81,6 +82,30 @@ def build_config(
             f"{e}: check {', '.join(names) or 'the PRIME_* variables'} "
             "(lists and tables in the environment are JSON, e.g. '[\"http://a:8000/v1\"]')"
         ) from None
+
+
+def _cli_overrides_sections(cls: type[BaseModel], data: dict, cli: dict, notes: list | None) -> dict:
+    """Drop the sections' file values of a shared key the command line sets (`cls.CLI_OVERRIDES_SECTIONS`)."""
+    overridden = []
+    for shared, section_keys in getattr(cls, "CLI_OVERRIDES_SECTIONS", {}).items():
+        if _lookup(cli, shared) is None:
+            continue
+        for key in section_keys:
+            parent = _lookup(data, key[:-1])
+            if isinstance(parent, dict) and key[-1] in parent:
+                value = parent.pop(key[-1])
+                overridden.append(f"--{'.'.join(shared)} overrides `{'.'.join(key)}` = {value!r}")
+    if overridden and notes is not None:
+        notes.append(("the command line", overridden))
+    return data
+
+
+def _lookup(data: dict, path: Key) -> Any:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
 
 
 def to_toml(config: BaseModel) -> str:
@@ -131,11 +156,11 @@ def load_config(
         print(f"{entrypoint}: error: {e}", file=sys.stderr)
         sys.exit(2)
     for path, translated in notes:  # before logging is set up: the console is where the user looks
-        print(f"{entrypoint}: {path} is in upstream prime-rl's spelling, read as: {'; '.join(translated)}",
-              file=sys.stderr)  # fmt: skip
+        what = "" if path == "the command line" else " is in upstream prime-rl's spelling,"
+        print(f"{entrypoint}: {path}{what} read as: {'; '.join(translated)}", file=sys.stderr)
     if parsed.dry_run:
         for path, translated in notes:
-            print(f"# read from upstream spellings in {path}:\n" + "".join(f"#   {n}\n" for n in translated), end="")
+            print(f"# read from {path}:\n" + "".join(f"#   {n}\n" for n in translated), end="")
         print(to_toml(config), end="")
         if passthrough:
             print(f"# passed through: {' '.join(passthrough)}")

@@ -11,7 +11,7 @@ here touches the output dir or starts a process.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -110,6 +110,16 @@ class RunSpec(BaseConfig):
 
 
 class RLConfig(EntrypointConfig):
+    # A shared key given on the command line overrides the sections' values from files (`rl @ cluster.toml
+    # --model.name ./small-model`); set in a file, a section's different value is refused as a contradiction.
+    CLI_OVERRIDES_SECTIONS: ClassVar[dict[tuple[str, ...], tuple[tuple[str, ...], ...]]] = {
+        ("model", "name"): (("trainer", "model", "name"), ("orchestrator", "model", "name"),
+                            ("inference", "model", "name")),
+        ("max_steps",): (("trainer", "max_steps"), ("orchestrator", "max_steps")),
+        ("max_async_level",): (("trainer", "max_async_level"), ("orchestrator", "max_async_level")),
+        ("seq_len",): (("trainer", "seq_len"), ("orchestrator", "seq_len")),
+    }  # fmt: skip
+
     trainer: TrainerConfig = TrainerConfig()
     """The trainer (`[trainer]`, or `--trainer @ t.toml`)."""
 

@@ -1,0 +1,88 @@
+"""A config in upstream prime-rl's layout runs here as it is, with only the model pointed at a local one: the current
+one-file layout (`group_size`, `[[orchestrator.train.env]]` with a taskset and a null harness, an empty `[ckpt]`,
+`[orchestrator.renderer]`) and the earlier split set (`rl --trainer @ --orchestrator @ --inference @`). Each run
+starts its own server, as `rl` does for the user. The test adds what isolates it: a free port, 3 steps, W&B offline."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_rl import trainer_steps
+
+from prime_rl.utils.net import free_port
+
+pytestmark = pytest.mark.slow
+
+RL = str(Path(sys.executable).parent / "rl")
+
+CURRENT = """
+max_steps = 20
+seq_len = 512
+
+[model]
+name = "my-org/some-hub-model"
+
+[wandb]
+project = "upstream-layout"
+
+[orchestrator]
+batch_size = 16
+group_size = 4
+
+[orchestrator.train.sampling]
+max_completion_tokens = 16
+
+[[orchestrator.train.env]]
+name = "reverse-text"
+env.taskset = { id = "reverse-text" }
+env.agent.harness = { id = "null", runtime = { type = "subprocess" } }
+
+[trainer.optim]
+lr = 1e-4
+
+[ckpt]  # at the end of training
+
+[inference]
+
+[orchestrator.renderer]
+name = "qwen3"
+enable_thinking = false
+"""
+
+EARLIER = {
+    "train.toml": 'max_steps = 20\n\n[model]\nname = "my-org/some-hub-model"\n\n[optim]\nlr = 1e-4\n',
+    "orch.toml": (
+        "batch_size = 16\nrollouts_per_example = 4\nseq_len = 512\nmax_steps = 20\nmask_truncated_completions = false\n\n"
+        '[model]\nname = "my-org/some-hub-model"\nrenderer = { name = "qwen3", enable_thinking = false }\n\n'
+        '[sampling]\nmax_tokens = 16\n\n[[env]]\nid = "reverse-text"\n\n[[env]]\nid = "reverse-text"\nname = "rt-2"\n'
+    ),
+    "infer.toml": '[model]\nname = "my-org/some-hub-model"\n',
+}
+
+
+def run_rl(args: list[str], out: Path, model: Path) -> subprocess.CompletedProcess:
+    isolation = ["--model.name", str(model), "--max-steps", "3", "--output-dir", str(out),
+                 "--inference.server.port", str(free_port())]  # fmt: skip
+    return subprocess.run([RL, *args, *isolation], capture_output=True, text=True, timeout=600)
+
+
+def test_upstream_layouts_run_three_steps_with_only_the_model_pointed_at_a_local_one(tied_server, tmp_path):
+    model = tied_server.base  # a local tiny model directory; the server itself is not used
+    (tmp_path / "rl.toml").write_text(CURRENT)
+    out = tmp_path / "current"
+    proc = run_rl(["@", str(tmp_path / "rl.toml"), "--wandb.offline"], out, model)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is in upstream prime-rl's spelling, read as:" in proc.stderr
+    assert trainer_steps(out) == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3"]  # `[ckpt]`: at the end only
+
+    for name, text in EARLIER.items():
+        (tmp_path / name).write_text(text)
+    split = ["--trainer", "@", str(tmp_path / "train.toml"), "--orchestrator", "@", str(tmp_path / "orch.toml"),
+             "--inference", "@", str(tmp_path / "infer.toml")]  # fmt: skip
+    out = tmp_path / "earlier"
+    proc = run_rl(split, out, model)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--model.name overrides `trainer.model.name`" in proc.stderr
+    assert trainer_steps(out) == [1, 2, 3]
