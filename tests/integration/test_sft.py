@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from conftest import API_KEY
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -243,3 +245,32 @@ def test_multi_turn_rows_train_under_qwen3_and_a_bad_row_stops_every_rank_naming
     assert f"example 4 of {data}: message 0 needs a role" in proc.stderr
     assert proc.stderr.count("sft stopped:") == 1  # once, from rank 0, and no traceback through our code
     assert "prime_rl/trainer/sft" not in proc.stderr
+
+
+def test_sft_evaluates_its_exported_weights(tied_server, data_file, tmp_path, monkeypatch):
+    """`eval = <file>`: after 2 steps (weights every step), the real `eval` measures the starting model and both exports
+    on the shared server (an external one: eval puts it back on its own weights); metrics.jsonl gets each policy's
+    eval/<env>/... at its step, matching eval's own summary."""
+    srv = tied_server
+    out = srv.root / "sft-evals"  # under the server's allowed weight root: it loads the exports
+    eval_file = tmp_path / "eval.toml"
+    eval_file.write_text(
+        f'seq_len = 512\n[model]\nrenderer = {{ name = "qwen3", enable_thinking = false }}\n'
+        f'[client]\nbase_url = ["{srv.url}/v1"]\napi_key_var = "PRIME_TEST_API_KEY"\n[sampling]\nmax_tokens = 8\n'
+        '[[env]]\nid = "reverse-text"\nnum_examples = 2\nrollouts_per_example = 2\n'
+    )
+    monkeypatch.setenv("PRIME_TEST_API_KEY", API_KEY)  # sft's environment reaches the eval it starts
+    try:
+        sft(srv.base, data_file, out, "--max-steps", "2", "--weights-interval", "1", "--eval", str(eval_file), nproc=1)
+    finally:  # the next test starts from the server's own weights
+        httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=60).raise_for_status()
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [m for m in lines if "eval/step" in m]
+    assert [(m["step"], m["eval/step"]) for m in rows] == [(0, 0), (1, 1), (2, 2)], rows
+    summary = json.loads((out / "eval" / "summary.json").read_text())
+    assert [p["label"] for p in summary["policies"]] == ["base", "step_1", "step_2"]
+    for row, policy in zip(rows, summary["policies"], strict=True):
+        env = policy["envs"]["reverse-text"]
+        assert row["eval/reverse-text/reward_mean"] == pytest.approx(env["reward_mean"])
+        assert row["eval/reverse-text/pass@2"] == pytest.approx(env["pass@2"])
+        assert row["eval/reverse-text/avg@2"] == pytest.approx(env["avg@2"]) and row["eval/reverse-text/rollouts"] == 4

@@ -367,3 +367,38 @@ def test_at_k1_the_swap_goes_ahead_and_the_pass_reruns_on_the_new_policy(tmp_pat
 
     run(scenario())
     assert [row["step"] for row in logged(tmp_path)] == [3]
+
+
+def test_report_draws_the_held_out_curve(tmp_path, capsys):
+    from prime_rl.utils.report import main
+
+    lines = [{"process": "orchestrator", "step": s, "reward/mean": 0.1 * s} for s in range(1, 5)]
+    lines += [
+        {"process": "orchestrator", "step": s, "eval/step": s, "eval/rt/reward_mean": 0.2 * s, "eval/rt/avg@2": 0.2 * s,
+         "eval/rt/pass@1": 0.1 * s, "eval/rt/pass@2": 0.15 * s}
+        for s in (0, 2, 4)
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    main([str(tmp_path)])
+    assert (tmp_path / "report" / "eval.png").exists()
+    assert "<h2>Held-out reward during RL (online evals)</h2>" in (tmp_path / "report" / "index.html").read_text()
+
+
+def test_sft_eval_config_is_checked_before_training(tmp_path, capsys):
+    from prime_rl.trainer.sft.config import SFTConfig
+    from prime_rl.trainer.sft.evals import check_eval_config, eval_argv, policy_step
+
+    good = tmp_path / "eval.toml"
+    good.write_text('[[env]]\nid = "reverse-text"\nnum_examples = 2\n')
+    config = SFTConfig(output_dir=tmp_path / "sft", eval=good, model={"name": "some/model"})
+    loaded = check_eval_config(config)
+    assert loaded.model.name == "some/model" and loaded.weights_dir == tmp_path / "sft" / "weights"
+    assert loaded.output_dir == tmp_path / "sft" / "eval" and "--weights-dir" in eval_argv(config)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[env]]\nid = "reverse-text"\nnum_exmaples = 2\n')
+    with pytest.raises(SystemExit) as exit_info:
+        check_eval_config(SFTConfig(output_dir=tmp_path / "sft", eval=bad))
+    assert exit_info.value.code == 2 and "num_exmaples" in capsys.readouterr().err
+    with pytest.raises(ValidationError, match="is not a file"):
+        SFTConfig(eval=tmp_path / "missing.toml")
+    assert [policy_step(label) for label in ("base", "step_3", "step_40")] == [0, 3, 40]

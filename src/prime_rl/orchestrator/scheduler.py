@@ -309,7 +309,7 @@ class Scheduler:
             latest = await self._wait_for(self.servers.version + 1, f"the final eval needs policy step {step}")
             await self.swap(min(latest, step))
             await self.announce_policy()
-            await self.evals.start(self.servers.version)
+        await self.evals.start(self.servers.version)  # the final pass (none if it ran before a restart)
         while self.evals.running:
             await self._finish_eval_pass(step)
 

@@ -121,31 +121,33 @@ def reward_plot(data: Metrics) -> Figure | None:
     return fig
 
 
-def eval_envs(data: Metrics) -> list[str]:
-    """The environments the orchestrator's online evals logged (`eval/<env>/reward_mean`)."""
-    keys = {k for row in data.get("orchestrator", {}).values() for k in row}
+def eval_envs(data: Metrics, process: str) -> list[str]:
+    """The environments whose evals `process` logged (`eval/<env>/reward_mean`): the orchestrator's online evals,
+    `sft`'s evals of its exported weights."""
+    keys = {k for row in data.get(process, {}).values() for k in row}
     return sorted(
         k.split("/")[1] for k in keys if k.startswith("eval/") and k.endswith("/reward_mean") and k.count("/") == 2
     )
 
 
 def eval_plot(data: Metrics) -> Figure | None:
-    """The held-out curve during RL: each online eval environment's avg@k (its mean reward) and pass@k at the policy
-    step each pass measured, beside the training batches' mean reward."""
-    envs = eval_envs(data)
-    if not envs:
+    """The held-out curve during training: each eval environment's avg@k (its mean reward) and pass@k at the policy
+    step each eval measured; during RL beside the training batches' mean reward."""
+    process = next((p for p in ("orchestrator", "sft") if eval_envs(data, p)), None)
+    if process is None:
         return None
-    fig, ax = new_figure("Held-out reward during RL (online evals)", "reward")
-    steps, train = series(data, "orchestrator", "reward/mean")
+    kind = "RL (online evals)" if process == "orchestrator" else "SFT (exported weights)"
+    fig, ax = new_figure(f"Held-out reward during {kind}", "reward")
+    steps, train = series(data, process, "reward/mean")
     if steps:
         ax.plot(steps, train, color="#9e9e9e", linewidth=1, label="training batches: reward/mean")
-    keys = {k for row in data["orchestrator"].values() for k in row}
-    for env in envs:
+    keys = {k for row in data[process].values() for k in row}
+    for env in eval_envs(data, process):
         ks = sorted(int(k.rsplit("@", 1)[1]) for k in keys if k.startswith(f"eval/{env}/pass@"))
         avg = next((f"eval/{env}/avg@{k}" for k in reversed(ks) if f"eval/{env}/avg@{k}" in keys), None)
         for key, style in [(avg or f"eval/{env}/reward_mean", "-"), (f"eval/{env}/pass@{ks[-1]}" if ks else None, ":")]:
             if key is not None:
-                ax.plot(*series(data, "orchestrator", key), linestyle=style, marker="o", label=key)
+                ax.plot(*series(data, process, key), linestyle=style, marker="o", label=key)
     ax.legend(fontsize="small")
     return fig
 

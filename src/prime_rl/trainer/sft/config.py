@@ -1,5 +1,6 @@
 """Config of the `sft` entry point (supervised fine-tuning on chat data)."""
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -101,6 +102,13 @@ class SFTConfig(EntrypointConfig):
     seed: int = 0
     """Seed of the data order (reshuffled per epoch), random initialisation and fake data."""
 
+    eval: Path | None = None
+    """An `eval` config file (environments, sampling, `[inference]` or `client.base_url`): after the last step, `eval`
+    measures the starting model and every exported `weights/step_n` with it; metrics `eval/<env>/...` at each step."""
+
+    eval_timeout: float = Field(1200.0, gt=0)
+    """Seconds that eval may take (the other ranks wait for rank 0 at the exit barrier meanwhile)."""
+
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":
         # Imported here: config modules load without torch (the `rl` launcher reads them), optim needs it.
@@ -108,6 +116,8 @@ class SFTConfig(EntrypointConfig):
 
         steps = self.bench.steps if self.bench else self.max_steps
         lr_at(0, self.optim.lr, self.scheduler, steps)  # a schedule longer than the run fails at load
+        if self.eval is not None and not self.eval.is_file():
+            raise ValueError(f"eval: {self.eval} is not a file (an `eval` config, e.g. configs/reverse_text/eval.toml)")
         if self.ckpt is not None and self.ckpt.resuming and self.bench is not None:
             raise ValueError("--bench runs on fake data and cannot resume from a checkpoint")
         return self

@@ -148,8 +148,16 @@ def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: 
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SFTConfig, "sft", argv)
-    with trainer_process("sft", config, (*DATA_ERRORS, NonFiniteWeights)) as (world, monitor):
+    errors, eval_config = (*DATA_ERRORS, NonFiniteWeights), None
+    if config.eval is not None and config.bench is None:  # imported only then: it brings the rollout code along
+        from prime_rl.trainer.sft.evals import EvalFailed, check_eval_config, evaluate_exports
+
+        eval_config = check_eval_config(config)  # a bad eval config ends the run now, not after training
+        errors += (EvalFailed,)
+    with trainer_process("sft", config, errors) as (world, monitor):
         fine_tune(config, world, monitor)
+        if eval_config is not None and world.is_main:
+            evaluate_exports(config, eval_config, monitor)
     exit_finished()
 
 
