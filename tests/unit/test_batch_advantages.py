@@ -107,3 +107,18 @@ def test_checkpoint_round_trips_every_state(tmp_path):
     # A checkpoint written without the optional states (e.g. by a run with grpo) loads with just the buffer.
     ckpt.save(tmp_path, ckpt.Progress(step=4), {"buffer": {}}, CheckpointConfig())
     assert ckpt.load(tmp_path, 4)[1] == {"buffer": {}}
+
+
+def test_a_truncated_rollout_is_masked_out_but_keeps_its_place_in_the_baseline():
+    """grpo on [1, 0, 0, 1] with the second rollout cut off: advantages [0.5, -0.5, -0.5, 0.5] either way (the
+    truncated reward still counts in the mean); with `mask_truncated_completions` its tokens are not trained."""
+    cut = rollout(0.0, sampled=2)
+    cut.truncated = True
+    groups = [group("a", rollout(1.0, sampled=2), cut, rollout(0.0, sampled=2), rollout(1.0, sampled=2))]
+    cfg = OrchestratorConfig(rollouts_per_example=4, batch_size=4)
+    samples, advantages, _ = batch_samples(groups, cfg)
+    assert advantages == [0.5, -0.5, -0.5, 0.5] and [sum(s.loss_mask) for s in samples] == [2, 2, 2, 2]
+    cfg = OrchestratorConfig(rollouts_per_example=4, batch_size=4, mask_truncated_completions=True)
+    samples, advantages, _ = batch_samples(groups, cfg)
+    assert advantages == [0.5, -0.5, -0.5, 0.5] and [sum(s.loss_mask) for s in samples] == [2, 0, 2, 2]
+    assert samples[1].token_ids == [1, 1, 1]  # the sequence is still there, with nothing to train

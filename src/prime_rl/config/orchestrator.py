@@ -334,6 +334,10 @@ class OrchestratorConfig(EntrypointConfig):
     filter_zero_advantage: bool = False
     """Drop groups whose advantages are all zero (no learning signal) instead of training on them."""
 
+    mask_truncated_completions: bool = False
+    """Train on no token of a rollout cut off by `max_tokens` or `seq_len` (its reward still counts in its group's
+    baseline): a half-written answer's tokens get no credit or blame."""
+
     ckpt: CheckpointConfig | None = None
     """Checkpoints of progress and buffer (`--ckpt` enables with defaults)."""
 

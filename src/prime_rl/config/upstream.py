@@ -225,12 +225,6 @@ def _orchestrator(t: Translator, at: Key) -> None:
     t.rename(at + ("lora_name",), at + ("adapter", "name"))
     t.rename(at + ("wandb", "log_extras"), at + ("log_extras",))
     t.leave_out(at + ("seed",), "upstream's orchestrator never read it (our task order: `buffer.seed`)")
-    t.leave_out(
-        at + ("mask_truncated_completions",),
-        "a truncated completion is trained on here too",
-        when=lambda v: v is False,
-    )
-    t.refuse(at + ("mask_truncated_completions",), "masking truncated completions is not supported yet")
     t.leave_out(at + ("advantage", "length_weighted_mean"), "our default", when=lambda v: v is False)
     t.rename(
         at + ("advantage", "length_weighted_mean"),

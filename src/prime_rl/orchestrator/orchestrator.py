@@ -102,12 +102,13 @@ def batch_samples(
             advantages[i] = advantage
     samples = []
     for (group, rollout), advantage in zip(rollouts, advantages, strict=True):
+        masked = config.mask_truncated_completions and rollout.truncated
         for s in rollout.samples:
             versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
             samples.append(
                 TrainingSample(
                     token_ids=s.token_ids,
-                    loss_mask=s.loss_mask,
+                    loss_mask=[False] * len(s.loss_mask) if masked else s.loss_mask,
                     inference_logprobs=s.logprobs,
                     advantages=[advantage] * len(s.token_ids),
                     temperature=rollout.temperature or group.temperature or config.sampling.temperature,
