@@ -152,3 +152,19 @@ def test_online_evals_and_validation_of_both_generations():
         5,
     )
     assert any("upstream sampled its eval split" in n for n in notes)
+
+
+def test_resume_of_the_current_layout():
+    config, _ = read(CORPUS / "current" / "rl_resume.toml", "rl")
+    assert config.trainer.ckpt.resume_step == -1 and config.orchestrator.ckpt.resume_step == -1
+    assert config.trainer.ckpt.interval == 10  # a `[ckpt]` with keys keeps them
+    config, _ = read(CORPUS / "current" / "sft_resume_step.toml", "sft")
+    assert config.ckpt.resume_step == 20
+
+
+def test_an_empty_ckpt_with_resume_still_saves_at_the_end_only(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text("max_steps = 9\n[orchestrator]\nbatch_size = 16\ngroup_size = 4\n[ckpt]\n[resume]\n")
+    config, notes = read(path, "rl")
+    assert (config.trainer.ckpt.interval, config.trainer.ckpt.resume_step) == (0, -1)
+    assert any("saved after the last step only" in n for n in notes)

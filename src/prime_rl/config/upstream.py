@@ -412,6 +412,22 @@ def _inference(t: Translator, at: Key) -> None:
         t.refuse(vllm + (name,), f"{feature} is not supported")
 
 
+def _resume(t: Translator, at: Key) -> None:
+    """2026's `[resume]` (empty: the latest checkpoint; `step = n`) -> `ckpt.resume_step`."""
+    resume = t.get(at + ("resume",))
+    if resume is _MISSING:
+        return
+    if resume is True:
+        resume = {}
+    if not isinstance(resume, dict) or set(resume) - {"step"}:
+        t.refuse(at + ("resume",), "resuming from another run's checkpoint directory (`resume.dir`); copy it into "
+                 "this run's `checkpoints/` and set `ckpt.resume_step`")  # fmt: skip
+        return
+    step = resume.get("step")
+    t.rename(at + ("resume",), at + ("ckpt", "resume_step"), convert=lambda _: -1 if step is None else step,
+             why="the latest checkpoint" if step is None else "")  # fmt: skip
+
+
 def _rl(t: Translator, at: Key) -> None:
     t.rename(at + ("monitors", "wandb"), at + ("wandb",))
     t.refuse(at + ("monitors",), "monitors other than W&B (use `tensorboard` for a local one)")
@@ -436,6 +452,7 @@ def _rl(t: Translator, at: Key) -> None:
     t.refuse(at + ("slurm",), "SLURM submission from the run's config is not supported yet (docs/deployment.md)")
     t.rename(at + ("async_level",), at + ("max_async_level",))
     t.leave_out(at + ("max_model_len",), "upstream never read it")
+    _resume(t, at)
 
 
 def _sft(t: Translator, at: Key) -> None:
@@ -469,6 +486,7 @@ def _sft(t: Translator, at: Key) -> None:
     for name in ("num_train_gpus", "num_infer_gpus"):
         t.leave_out(at + ("deployment", name), "sft's ranks are torchrun's `--nproc-per-node` here")
     t.rename(at + ("monitors", "wandb"), at + ("wandb",))
+    _resume(t, at)
 
 
 def _eval(t: Translator, at: Key) -> None:
@@ -513,11 +531,14 @@ ROLES: dict[str, Callable[[Translator, Key], None]] = {
 }
 
 
-def _same_key_other_meaning(t: Translator) -> None:
+CKPT_SECTIONS: list[Key] = [(), ("trainer",), ("orchestrator",)]
+
+
+def _same_key_other_meaning(t: Translator, empty_ckpt: list[Key]) -> None:
     """Keys both systems spell alike but read differently, in a file that is in upstream's spelling: we adopt
-    upstream's meaning where ours has it, and say so."""
-    for at in [(), ("trainer",), ("orchestrator",)]:
-        if t.get(at + ("ckpt",)) == {}:
+    upstream's meaning where ours has it, and say so. `empty_ckpt`: where the file had an empty `[ckpt]`."""
+    for at in empty_ckpt:
+        if isinstance(t.get(at + ("ckpt",)), dict) and not t.has(at + ("ckpt", "interval")):
             t.put(at + ("ckpt", "interval"), 0, at + ("ckpt",))
             t.notes.append(f"empty `[{dotted(at + ('ckpt',))}]` -> `interval = 0`: saved after the last step only")
     for at in [(), ("orchestrator",)]:
@@ -538,13 +559,14 @@ def translate(entrypoint: str, data: dict, origin: str) -> tuple[dict, list[str]
     """`data` (one file's values, already placed where they load) with upstream's spellings in ours; returns it
     with one note per translation. Raises `ConfigError` naming every refused key's feature."""
     t = Translator(data, origin)
+    empty_ckpt = [at for at in CKPT_SECTIONS if t.get(at + ("ckpt",)) == {}]
     for at, role in FRAMES.get(entrypoint, {}).items():
         if at == () or t.has(at):
             if at and not isinstance(t.get(at), dict):
                 continue
             ROLES[role](t, at)
     if t.notes:  # this file is in upstream's spelling
-        _same_key_other_meaning(t)
+        _same_key_other_meaning(t, empty_ckpt)
     if t.refusals:
         raise ConfigError("not supported here:\n  " + "\n  ".join(t.refusals))
     return t.data, t.notes
