@@ -265,3 +265,49 @@ def test_print_only_never_shows_the_secret(slurm_env, nodelist):
     assert out.stdout and STAND_IN_SECRET not in out.stdout + out.stderr
     out = print_only(slurm_env, nodelist)  # none given: PRINT_ONLY neither generates nor shows one
     assert not re.search(r"[0-9a-f]{64}", out.stdout + out.stderr)
+
+
+SBATCH_STAND_IN = """#!/usr/bin/env bash
+# sbatch as the cluster has it, minus the queue: records what it was given and answers like sbatch does.
+printf '%s\\n' "$@" > "$STUB_DIR/sbatch.argv"; cp "$1" "$STUB_DIR/sbatch.script"
+echo "Submitted batch job 4242"
+"""
+
+
+def test_rl_with_a_slurm_section_renders_our_script_and_submits_it(slurm_env, tmp_path, capsys):
+    """`[slurm]` in the run's config: `rl` queues the job instead of running here. The stand-in `sbatch` keeps the
+    script and config it was given: the script is ours with the job's #SBATCH lines and node layout, its node
+    commands are the ones `rl.sbatch` makes, and the config is the run's without `[slurm]` (no resubmission)."""
+    stub = Path(slurm_env["STUB_DIR"])
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(SBATCH_STAND_IN)
+    sbatch.chmod(0o755)
+    out = tmp_path / "out"
+    with mock.patch.dict(os.environ, slurm_env), pytest.raises(SystemExit) as exit_:
+        rl_main(["@", str(CONFIG), "--output-dir", str(out), "--slurm.job-name", "rt", "--slurm.nodes", "3",
+                 "--slurm.partition", "gpu", "--slurm.time", "2:00:00", "--slurm.gpus-per-node", "4"])  # fmt: skip
+    assert exit_.value.code == 0 and "submitted SLURM job 4242 (3 node(s))" in capsys.readouterr().out
+    script_path, config_path = (stub / "sbatch.argv").read_text().splitlines()
+    script = (stub / "sbatch.script").read_text()
+    assert script_path == str(out / "slurm" / "rt.sbatch") and config_path == str(out / "slurm" / "rt.toml")
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert header == ["#SBATCH --job-name=rt", "#SBATCH --nodes=3", "#SBATCH --partition=gpu", "#SBATCH --time=2:00:00",
+                      "#SBATCH --exclusive", "#SBATCH --ntasks-per-node=1", "#SBATCH --output=slurm-%j.out"]  # fmt: skip
+    job_config = tomllib.loads(Path(config_path).read_text())
+    assert "slurm" not in job_config and job_config["output_dir"] == str(out)
+    # The rendered script lays out the job as rl.sbatch does: here 1 inference node and 2 trainer nodes of 4 GPUs.
+    printed = subprocess.run(["bash", script_path, config_path], env={**slurm_env, "SLURM_JOB_NODELIST": "n[1-3]",
+                             "PRINT_ONLY": "1"}, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    commands = [shlex.split(line.split("|", 1)[1]) for line in printed.stdout.splitlines()]
+    assert [c[:3] for c in commands] == [["rl", "@", config_path]] * 3
+    resolved = [dry_run(argv, capsys) for argv in commands]
+    assert [r["deployment"]["roles"] for r in resolved] == [["inference", "orchestrator"], ["trainer"], ["trainer"]]
+    assert resolved[1]["trainer_gpu_ids"] == [0, 1, 2, 3] and resolved[0]["max_steps"] == job_config["max_steps"]
+
+
+def test_a_slurm_value_that_would_reach_the_script_as_code_is_refused(slurm_env, capsys):
+    with mock.patch.dict(os.environ, slurm_env), pytest.raises(SystemExit) as exit_:
+        rl_main(["@", str(CONFIG), "--slurm.partition", "gpu\n#SBATCH --uid=0"])
+    assert exit_.value.code == 2 and "slurm.partition" in capsys.readouterr().err
+    assert not (Path(slurm_env["STUB_DIR"]) / "sbatch.argv").exists()

@@ -168,3 +168,12 @@ def test_an_empty_ckpt_with_resume_still_saves_at_the_end_only(tmp_path):
     config, notes = read(path, "rl")
     assert (config.trainer.ckpt.interval, config.trainer.ckpt.resume_step) == (0, -1)
     assert any("saved after the last step only" in n for n in notes)
+
+
+def test_slurm_and_a_multi_node_deployment():
+    config, _ = read(CORPUS / "current" / "rl_slurm.toml", "rl")
+    assert (config.slurm.job_name, config.slurm.partition, config.slurm.account, config.slurm.time) == (
+        "my-run", "gpu", "team-a", "24:00:00")  # fmt: skip
+    assert config.slurm.nodes == 1
+    config, _ = read(CORPUS / "current" / "rl_slurm_multi_node.toml", "rl")
+    assert (config.slurm.nodes, config.slurm.inference_nodes, config.slurm.gpus_per_node) == (3, 1, 4)

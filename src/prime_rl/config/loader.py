@@ -51,12 +51,11 @@ def _env_sources() -> dict[Key, str]:
     }
 
 
-def build_config(
-    cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: dict, entrypoint: str = "", notes: list | None = None
-) -> C:
-    """Deep-merge the TOML files and the CLI values over them, then validate into `cls`; a settings
-    class reads the environment below these values itself (`EntrypointConfig`). Each file is read in upstream
-    prime-rl's spellings too (`upstream.translate`); what was translated is appended to `notes`."""
+def given_data(
+    cls: type[BaseModel], parsed: ParsedArgv, cli: dict, entrypoint: str = "", notes: list | None = None
+) -> tuple[dict, dict[Key, str]]:
+    """The TOML files deep-merged with the CLI values over them (each file read in upstream prime-rl's spellings too,
+    `upstream.translate`; what was translated is appended to `notes`), and where each key came from."""
     data: dict = {}
     sources = _env_sources()
     for path, scope in parsed.toml_files:
@@ -71,8 +70,17 @@ def build_config(
     sources.update(parsed.cli_sources)
     for path in parsed.cli_nulls:
         cli = deep_merge(cli, nest(path, None))
+    return deep_merge(data, cli), sources
+
+
+def build_config(
+    cls: type[C], keys: dict[Key, Any], parsed: ParsedArgv, cli: dict, entrypoint: str = "", notes: list | None = None
+) -> C:
+    """`given_data` validated into `cls`; a settings class reads the environment below these values itself
+    (`EntrypointConfig`)."""
+    given, sources = given_data(cls, parsed, cli, entrypoint, notes)
     try:
-        return cls(**fill_discriminators(cls, deep_merge(data, cli)))
+        return cls(**fill_discriminators(cls, given))
     except ValidationError as e:
         raise ConfigError(format_validation_error(keys, e, sources)) from None
     except SettingsError as e:  # a PRIME_* value that is not even parseable, e.g. a list not written as JSON
@@ -82,6 +90,15 @@ def build_config(
             f"{e}: check {', '.join(names) or 'the PRIME_* variables'} "
             "(lists and tables in the environment are JSON, e.g. '[\"http://a:8000/v1\"]')"
         ) from None
+
+
+def given_values(cls: type[BaseModel], entrypoint: str, argv: list[str]) -> dict:
+    """What argv's files and flags give (upstream spellings translated), before defaults and validators: what
+    reproduces the config elsewhere (`rl`'s SLURM job), where a full dump would pin every derived default."""
+    keys = config_keys(cls)
+    parsed = split_argv(keys, argv)
+    cli, _ = parse_cli(cls, entrypoint, parsed.cli)
+    return given_data(cls, parsed, cli, entrypoint)[0]
 
 
 def _cli_overrides_sections(cls: type[BaseModel], data: dict, cli: dict, notes: list | None) -> dict:

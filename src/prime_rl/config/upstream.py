@@ -428,6 +428,39 @@ def _resume(t: Translator, at: Key) -> None:
              why="the latest checkpoint" if step is None else "")  # fmt: skip
 
 
+def _slurm(t: Translator, at: Key) -> None:
+    """2026's `[slurm]` and multi-node `[deployment]` -> our `[slurm]` (deploy/slurm/rl.sbatch)."""
+    dep, slurm = at + ("deployment",), at + ("slurm",)
+    if t.get(dep + ("type",)) == "multi_node":
+        t.pop(dep + ("type",))
+        train, infer = t.pop(dep + ("num_train_nodes",)), t.pop(dep + ("num_infer_nodes",))
+        if not isinstance(train, int) or not isinstance(infer, int) or train < 1 or infer < 1:
+            raise ConfigError(
+                f"{t.origin}: a multi-node `deployment` needs num_train_nodes >= 1 and num_infer_nodes >= 1"
+            )
+        t.put(slurm + ("nodes",), train + infer, dep + ("num_train_nodes",))
+        t.put(slurm + ("inference_nodes",), infer, dep + ("num_infer_nodes",))
+        t.notes.append(f"multi-node `deployment` -> `slurm.nodes = {train + infer}`, `slurm.inference_nodes = {infer}`")
+        t.refuse(dep + ("num_infer_replicas",), "several inference replicas behind a router", lambda v: v != 1)
+        t.leave_out(dep + ("num_infer_replicas",), "one replica")
+        t.refuse(dep + ("nodes_per_fsdp_group",), "FSDP islands (HSDP) are not supported")
+        t.leave_out(dep + ("orchestrator_on_inference",), "the orchestrator runs on inference node 0 here")
+    elif t.get(dep + ("type",)) == "single_node":
+        t.leave_out(dep + ("type",), "one node")
+    if not t.has(slurm):
+        t.leave_out(dep + ("gpus_per_node",), "a run on this host uses `trainer_gpu_ids` / `inference_gpu_ids`")
+        return
+    t.rename(dep + ("gpus_per_node",), slurm + ("gpus_per_node",))
+    t.leave_out(slurm + ("project_dir",), "the job runs in the directory `rl` was called from", lambda v: v == ".")
+    t.refuse(slurm + ("project_dir",), "a project directory other than the current one")
+    t.refuse(slurm + ("template_path",), "custom SLURM templates (ours: deploy/slurm/rl.sbatch)")
+    t.refuse(slurm + ("pre_run_command",), "a command before the run (put it in a wrapper of `sbatch`: `slurm.sbatch`)")
+    t.leave_out(slurm + ("launch_modelexpress",), "no NIXL weight transfer here")
+    t.leave_out(slurm + ("cleanup_grace_period",), "the job stops as soon as a node's run fails")
+    t.leave_out(slurm + ("shared_fs",), "the output dir must be on a shared filesystem here", lambda v: v is True)
+    t.refuse(slurm + ("shared_fs",), "node-local virtual environments")
+
+
 def _rl(t: Translator, at: Key) -> None:
     t.rename(at + ("monitors", "wandb"), at + ("wandb",))
     t.refuse(at + ("monitors",), "monitors other than W&B (use `tensorboard` for a local one)")
@@ -449,7 +482,7 @@ def _rl(t: Translator, at: Key) -> None:
     t.refuse(at + ("deployment", "num_teacher_gpus"), "a teacher server (distillation) is not supported yet")
     t.refuse(at + ("teacher_gpu_ids",), "a teacher server (distillation) is not supported yet")
     t.refuse(at + ("teacher_inference",), "a teacher server (distillation) is not supported yet")
-    t.refuse(at + ("slurm",), "SLURM submission from the run's config is not supported yet (docs/deployment.md)")
+    _slurm(t, at)
     t.rename(at + ("async_level",), at + ("max_async_level",))
     t.leave_out(at + ("max_model_len",), "upstream never read it")
     _resume(t, at)

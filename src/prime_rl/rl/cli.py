@@ -13,13 +13,14 @@ import sys
 
 from loguru import logger
 
-from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.config.loader import given_values, load_config, write_resolved_config
 from prime_rl.rl.bench import metrics_size, print_bench_table
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
 from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_keys
 from prime_rl.rl.processes import inference_process, orchestrators
 from prime_rl.rl.resume import clean_stale_outputs, resolve_resume, resolve_run_resumes
+from prime_rl.rl.slurm import submit
 from prime_rl.rl.supervise import launch
 from prime_rl.utils.locks import OutputDirBusy, check_free
 from prime_rl.utils.logging import setup_logging
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     """Exits with the run's code: 0 done, 1 a process failed, 2 refused before anything started, 130 interrupted."""
     seed_environment(os.environ)
     config, _ = load_config(RLConfig, "rl", argv)
+    if config.slurm is not None:
+        sys.exit(submit(config, given_values(RLConfig, "rl", sys.argv[1:] if argv is None else argv)))
     keys = provide_keys(config)
     roles = config.deployment.roles
     names = {config.trainer.model.name} if "trainer" in roles else set()

@@ -38,6 +38,50 @@ rollout workers hold it under this name for verifiers' clients, whose subprocess
 ROLES = ("inference", "orchestrator", "trainer")
 
 
+SLURM_WORD = r"^[\w.,:\[\]+-]{1,200}$"  # what an #SBATCH value may be: no space, quote or newline reaches the script
+
+
+class SlurmConfig(BaseConfig):
+    """Submit this run as one SLURM job (`deploy/slurm/rl.sbatch`, docs/deployment.md) instead of running it here:
+    `rl` writes the job's script and config under `{output_dir}/slurm/` and calls `sbatch`."""
+
+    job_name: str = Field("prime-rl", pattern=SLURM_WORD)
+    """The job's name (`#SBATCH --job-name`)."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes of the job: one runs everything; more are `inference_nodes` inference nodes and the rest trainer nodes."""
+
+    inference_nodes: int = Field(1, ge=1)
+    """Inference nodes of a multi-node job (node 0 also runs the orchestrator)."""
+
+    gpus_per_node: int = Field(8, ge=1)
+    """GPUs each node's processes use."""
+
+    partition: str | None = Field(None, pattern=SLURM_WORD)
+    """`#SBATCH --partition` (None: the cluster's default)."""
+
+    account: str | None = Field(None, pattern=SLURM_WORD)
+    """`#SBATCH --account` (None: yours by default)."""
+
+    time: str | None = Field(None, pattern=r"^[\d:-]{1,20}$")
+    """Wall-time limit, e.g. `24:00:00` or `7-00:00:00` (`#SBATCH --time`)."""
+
+    nodelist: str | None = Field(None, pattern=SLURM_WORD)
+    """Nodes to run on (`#SBATCH --nodelist`)."""
+
+    exclude: str | None = Field(None, pattern=SLURM_WORD)
+    """Nodes not to run on (`#SBATCH --exclude`)."""
+
+    sbatch: str = "sbatch"
+    """The submit command (a path, e.g. to a site wrapper)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SlurmConfig:
+        if self.nodes > 1 and self.inference_nodes >= self.nodes:
+            raise ValueError(f"slurm.inference_nodes ({self.inference_nodes}) must leave trainer nodes of {self.nodes}")
+        return self
+
+
 class DeploymentConfig(BaseConfig):
     """Which processes this host starts when a run spans several hosts: every host runs `rl` with the same
     config and its own `roles` (and trainer node rank); `output_dir` must be one shared filesystem."""
@@ -169,6 +213,9 @@ class RLConfig(EntrypointConfig):
 
     deployment: DeploymentConfig = DeploymentConfig()
     """Multi-host runs: the roles this host starts, trainer nodes, where the inference servers are."""
+
+    slurm: SlurmConfig | None = None
+    """Submit the run to SLURM instead of running it here (`[slurm]`); `rl` exits once the job is queued."""
 
     runs: list[RunSpec] = []
     """Several runs in one LoRA trainer (`[[runs]]`, needs `[trainer.model.lora]`): one orchestrator each, on
