@@ -1,6 +1,6 @@
 """A config in upstream prime-rl's layout runs here as it is, with only the model pointed at a local one: the current
 one-file layout (`group_size`, `[[orchestrator.train.env]]` with a taskset and a null harness, an empty `[ckpt]`,
-`[orchestrator.renderer]`) and the earlier split set (`rl --trainer @ --orchestrator @ --inference @`). Each run
+`[orchestrator.renderer]`, `[orchestrator.concurrency]`) and the earlier split set (`rl --trainer @ --orchestrator @ --inference @`). Each run
 starts its own server, as `rl` does for the user. The test adds what isolates it: a free port, 3 steps, W&B offline."""
 
 import subprocess
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_rl import trainer_steps
+from test_rl import orchestrator_metrics, trainer_steps
 
 from prime_rl.utils.net import free_port
 
@@ -32,6 +32,10 @@ group_size = 4
 
 [orchestrator.train.sampling]
 max_completion_tokens = 16
+
+[orchestrator.concurrency]
+initial_inflight = 8
+max_inflight = 16
 
 [[orchestrator.train.env]]
 name = "reverse-text"
@@ -76,6 +80,9 @@ def test_upstream_layouts_run_three_steps_with_only_the_model_pointed_at_a_local
     assert "is in upstream prime-rl's spelling, read as:" in proc.stderr
     assert trainer_steps(out) == [1, 2, 3]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3"]  # `[ckpt]`: at the end only
+    # Adaptive in-flight control read the server's gauges each step: between 2 groups (8 rollouts) and 4 (16).
+    peaks = [m["groups_in_flight/peak"] for m in orchestrator_metrics(out)]
+    assert len(peaks) == 3 and all(1 <= p <= 4 for p in peaks), peaks
 
     for name, text in EARLIER.items():
         (tmp_path / name).write_text(text)

@@ -308,6 +308,27 @@ class AdapterConfig(BaseConfig):
     """Seed of the adapter's initial weights (default: the trainer's `seed`)."""
 
 
+class ConcurrencyConfig(BaseConfig):
+    """Adapt the rollouts in flight to the servers (docs/orchestrator.md): once per step, up by one group while no
+    server queues requests, down by a quarter when one does or its KV cache is nearly full; `min_inflight =
+    max_inflight` pins it. Counted in rollouts, rounded up to whole groups."""
+
+    min_inflight: int = Field(1, ge=1)
+    """Fewest rollouts in flight."""
+
+    max_inflight: int | None = Field(None, ge=1)
+    """Most rollouts in flight (None: four batches)."""
+
+    initial_inflight: int | None = Field(None, ge=1)
+    """Rollouts in flight at the start (None: `batch_size x oversampling`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ConcurrencyConfig":
+        if self.max_inflight is not None and self.min_inflight > self.max_inflight:
+            raise ValueError(f"min_inflight ({self.min_inflight}) > max_inflight ({self.max_inflight})")
+        return self
+
+
 class OrchestratorConfig(EntrypointConfig):
     model: ClientModelConfig = ClientModelConfig()
     """The policy being trained, as the inference servers serve it."""
@@ -333,6 +354,9 @@ class OrchestratorConfig(EntrypointConfig):
 
     filter_zero_advantage: bool = False
     """Drop groups whose advantages are all zero (no learning signal) instead of training on them."""
+
+    concurrency: ConcurrencyConfig | None = None
+    """Adaptive in-flight control (`[concurrency]`); None: a fixed `batch_size x oversampling` rollouts in flight."""
 
     mask_truncated_completions: bool = False
     """Train on no token of a rollout cut off by `max_tokens` or `seq_len` (its reward still counts in its group's
@@ -477,5 +501,19 @@ class OrchestratorConfig(EntrypointConfig):
 
     @property
     def groups_in_flight(self) -> int:
-        """Groups the scheduler keeps running at once (`oversampling`)."""
-        return max(1, round(self.groups_per_batch * self.oversampling))
+        """Groups the scheduler keeps running at once (`oversampling`), or `concurrency`'s start."""
+        fixed = max(1, round(self.groups_per_batch * self.oversampling))
+        if self.concurrency is None or self.concurrency.initial_inflight is None:
+            return fixed
+        return self.groups(self.concurrency.initial_inflight)
+
+    def groups(self, rollouts: int) -> int:
+        """Whole groups holding `rollouts` rollouts."""
+        return -(-rollouts // self.rollouts_per_example)
+
+    def inflight_bounds(self) -> tuple[int, int]:
+        """`concurrency`'s (low, high) in groups."""
+        assert self.concurrency is not None
+        c = self.concurrency
+        high = self.groups(c.max_inflight) if c.max_inflight is not None else 4 * self.groups_per_batch
+        return self.groups(c.min_inflight), high

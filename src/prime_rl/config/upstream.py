@@ -246,7 +246,6 @@ def _orchestrator(t: Translator, at: Key) -> None:
     t.leave_out(at + ("algo",), "GRPO is our training algorithm", when=lambda v: isinstance(v, dict) and
                 v.get("type", "grpo") == "grpo" and set(v) <= {"type"})  # fmt: skip
     t.refuse(at + ("algo",), "training algorithms other than GRPO (distillation, self-play, ...) are not supported yet")
-    t.refuse(at + ("concurrency",), "adaptive in-flight control is not supported yet (ours: `oversampling`)")
     _online_eval(t, at + ("eval",))
     _validation(t, at)
     t.refuse(at + ("teacher_model",), "a teacher model (distillation) is not supported yet")

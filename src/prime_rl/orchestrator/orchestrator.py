@@ -172,6 +172,7 @@ def batch_metrics(
     for i, url in enumerate(urls):
         metrics[f"groups_started/server_{i}"] = stats.groups_per_server.get(url, 0)
     metrics["groups_started/gated"] = stats.gated
+    metrics["groups_in_flight/peak"] = stats.peak_inflight
     for env in sorted({g.env for g in groups}):
         env_rewards = [r.reward for g, r in rollouts if g.env == env]
         metrics[f"reward/{env}/mean"] = statistics.fmean(env_rewards)

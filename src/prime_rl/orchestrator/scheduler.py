@@ -51,6 +51,7 @@ from loguru import logger
 
 from prime_rl.orchestrator.advantage import group_has_signal
 from prime_rl.orchestrator.buffer import Buffer
+from prime_rl.orchestrator.concurrency import InflightControl
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
 from prime_rl.orchestrator.evals import OnlineEvals
@@ -131,6 +132,8 @@ class StepStats:
     """Groups started before their policy was served (they set up while the trainer trained it)."""
     wait_for_evals: float = 0.0
     """Seconds a swap waited for the online eval pass in flight to finish."""
+    peak_inflight: int = 0
+    """Most groups in flight at once."""
 
 
 class Liveness:
@@ -224,6 +227,10 @@ class Scheduler:
         self.ids = itertools.count()
         self.stats = StepStats()
         self.target_inflight = config.groups_in_flight
+        self.peak_inflight = 0
+        """Most groups in flight at once since the target last moved."""
+        self.control = None if config.concurrency is None else InflightControl(*config.inflight_bounds(),
+                                                                                 config.groups_in_flight)  # fmt: skip
         self.announced = -1
         """The newest policy step the workers were told the servers serve."""
         unusable_limit = max(16, 2 * config.groups_per_batch)
@@ -387,8 +394,21 @@ class Scheduler:
             if self.evals is not None and self.k > 0:  # at k = 0 once its batch is complete (`collect`)
                 await self.evals.start(self.announced)
 
+    async def adapt_inflight(self) -> None:
+        """Once per step with `concurrency`: the next target from the servers' loads (`concurrency.py`)."""
+        if self.control is None:
+            return
+        before, loads = self.target_inflight, await self.servers.loads()
+        self.target_inflight = self.control.update(loads, self.peak_inflight)
+        self.peak_inflight = len(self.inflight)
+        if self.target_inflight != before:
+            seen = ", ".join(f"{load.waiting:.0f} waiting, KV {load.kv_usage:.0%}" for load in loads)
+            logger.info(f"groups in flight: {before} -> {self.target_inflight} (servers: {seen})")
+
     async def _submit(self, group: Group) -> None:
         self.inflight[group.id] = group
+        self.stats.peak_inflight = max(self.stats.peak_inflight, len(self.inflight))
+        self.peak_inflight = max(self.peak_inflight, len(self.inflight))
         self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
         self.stats.gated += group.gate is not None
@@ -475,6 +495,7 @@ class Scheduler:
 
     async def collect(self, batch: int) -> list[Group]:
         """Groups for `batch`: at least `batch_size` trained rollouts, each started on a policy the bound allows."""
+        await self.adapt_inflight()
         self.oldest = oldest = min_policy_for(batch, self.k)
         usable = [g for g in self.finished if g.version >= oldest]
         self.stats.dropped_stale += len(self.finished) - len(usable)

@@ -24,6 +24,7 @@ import httpx
 from loguru import logger
 
 from prime_rl.orchestrator.broadcast import BroadcastClient
+from prime_rl.orchestrator.concurrency import ServerLoad, parse_load
 from prime_rl.utils import net
 from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
 from prime_rl.utils.secret import client_token
@@ -97,6 +98,19 @@ class InferenceServers:
             )
         except TimeoutError as e:
             raise ServerError(f"inference server(s) not healthy after {timeout:.0f}s: {self.urls}") from e
+
+    async def loads(self) -> list[ServerLoad]:
+        """Each healthy server's queue and KV-cache usage (its `/metrics`); a server that does not answer in 5 s is
+        left out (its health is the recovery's business)."""
+
+        async def one(url: str) -> ServerLoad | None:
+            try:
+                response = await self.admin[url].get("/metrics", timeout=5.0)
+                return parse_load(response.text) if response.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        return [load for load in await asyncio.gather(*(one(u) for u in self.healthy())) if load is not None]
 
     async def _post(self, url: str, route: str, body: dict, what: str) -> dict:
         """An admin POST. A 4xx (bad weights, wrong key) raises `ServerError`: retrying cannot help. A dropped
