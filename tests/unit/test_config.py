@@ -405,6 +405,8 @@ def test_did_you_mean_asks_by_meaning_before_spelling(capsys):
     assert "trainer.model.cp" not in err and "the Hugging Face one always runs here" in err
     err = fails(RLConfig, ["--deployment.num-train-gpus", "2"], capsys)
     assert "did you mean `trainer_gpu_ids`?" in err
+    err = fails(RLConfig, ["--orchestrator.val.interval", "5"], capsys)
+    assert "did you mean `orchestrator.eval.interval`? upstream prime-rl's `val`" in err
 
 
 def test_an_empty_table_where_a_boolean_is_taken_means_on(tmp_path, capsys):

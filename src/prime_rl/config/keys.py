@@ -123,15 +123,17 @@ UPSTREAM_ONLY: dict[str, str] = {
 }
 
 
-def _by_meaning(keys: dict[Key, Any], path: Key) -> str | None:
-    """Our key for upstream's name `path[-1]`: beside it, else at the top, else the one key anywhere ending so."""
-    for ours in MEANINGS.get(path[-1].replace("-", "_"), ()):
-        for candidate in (path[:-1] + ours, ours):
-            if candidate in keys:
-                return ".".join(candidate)
-        anywhere = [k for k in keys if k[-len(ours) :] == ours]
-        if len(anywhere) == 1:
-            return ".".join(anywhere[0])
+def _by_meaning(keys: dict[Key, Any], path: Key) -> tuple[str, str] | None:
+    """Our key for a path that uses one of upstream's names (at any level), and that name: the name replaced in
+    place first, else our key at the top, else the one key anywhere ending so."""
+    for i in range(len(path) - 1, -1, -1):
+        name = path[i].replace("-", "_")
+        for ours in MEANINGS.get(name, ()):
+            tail = ours + path[i + 1 :]
+            anywhere = [k for k in keys if k[-len(tail) :] == tail]
+            for candidate in [path[:i] + tail, tail] + (anywhere if len(anywhere) == 1 else []):
+                if candidate in keys:
+                    return ".".join(candidate), name
     return None
 
 
@@ -140,9 +142,9 @@ def suggest(keys: dict[Key, Any], path: Key) -> str:
     first, then any key), or ''."""
     if path[-1] in UPSTREAM_ONLY:
         return f" ({UPSTREAM_ONLY[path[-1]]})"
-    ours = _by_meaning(keys, path)
-    if ours is not None:
-        return f" (did you mean `{ours}`? upstream prime-rl's `{path[-1]}`)"
+    meant = _by_meaning(keys, path)
+    if meant is not None:
+        return f" (did you mean `{meant[0]}`? upstream prime-rl's `{meant[1]}`)"
     siblings = [k[-1] for k in keys if k[:-1] == path[:-1] and k != path]
     close = difflib.get_close_matches(path[-1].replace("-", "_"), siblings, n=1, cutoff=0.6)
     if close:
