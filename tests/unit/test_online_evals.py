@@ -291,7 +291,7 @@ class SwappingServers(Servers):
     def healthy(self):
         return self.urls
 
-    async def load_policy(self, step):
+    async def load_policy(self, step, from_disk=False):
         self.version = step
         return 0.0
 

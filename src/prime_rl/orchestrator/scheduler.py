@@ -46,10 +46,12 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from loguru import logger
 
 from prime_rl.orchestrator.advantage import group_has_signal
+from prime_rl.orchestrator.broadcast import TrainerGone
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.concurrency import InflightControl
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -278,14 +280,14 @@ class Scheduler:
         self.stats.wait_for_weights += time.monotonic() - start
         return latest
 
-    async def swap(self, step: int) -> None:
+    async def swap(self, step: int, from_disk: bool = False) -> None:
         if self.evals is not None and self.evals.running:
             if self.evals.holds_swaps():
                 await self._finish_eval_pass(step)
             else:
                 self.evals.interrupt(step)
         old = self.servers.version
-        seconds = await self.servers.load_policy(step)
+        seconds = await self.servers.load_policy(step, from_disk)
         if self.servers.version == old:
             return  # no server to give it to (all recovering): they get the current policy when back
         self.stats.update_weights += seconds
@@ -311,14 +313,44 @@ class Scheduler:
 
     async def final_evals(self, step: int) -> None:
         """After the last batch: serve each newer policy as the trainer publishes it (a broadcast trainer waits until
-        each is taken), up to its last, `step`, and finish the eval passes due on the way and on it."""
+        each is taken) up to its last, `step`, and finish the eval passes due on the way and on it. The trainer writes
+        its last policy to `broadcasts/` and never announces it, and may exit as soon as it is written (its store
+        gone): that one is read from disk. At most `stall_timeout` seconds without a new policy."""
+        final = self.servers.weight_dir(step) / "STABLE"
+        logger.info(f"the final eval needs policy step {step}: waiting for the trainer to publish it")
+        waiting = time.monotonic()
         while self.servers.version < step:
-            latest = await self._wait_for(self.servers.version + 1, f"the final eval needs policy step {step}")
-            await self.swap(min(latest, step))
+            if final.exists():
+                await self.swap(step, from_disk=True)
+            elif (latest := await self._latest_or_final(final)) > self.servers.version:
+                await self.swap(min(latest, step))
+                waiting = time.monotonic()
+            else:
+                await self.receive(self.weights_poll)  # the eval pass in flight goes on meanwhile
+                self._check_fatal()
+                if (ended := self.servers.trainer_error()) is not None:
+                    raise StallError(
+                        f"the final eval needs policy step {step}, but the trainer will not publish it: {ended}"
+                    )
+                if time.monotonic() - waiting > self.config.stall_timeout:
+                    raise StallError(
+                        f"the final eval needs policy step {step}, which did not appear within "
+                        f"{self.config.stall_timeout:.0f}s (stall_timeout) in {self.servers.where(step)}"
+                    )
             await self.announce_policy()
         await self.evals.start(self.servers.version)  # the final pass (none if it ran before a restart)
         while self.evals.running:
             await self._finish_eval_pass(step)
+
+    async def _latest_or_final(self, final: Path) -> int:
+        """The newest published policy; the one served now when the trainer's store is gone because the trainer wrote
+        its last policy (`final`) and exited."""
+        try:
+            return await self.servers.latest_published()
+        except TrainerGone:
+            if final.exists():
+                return self.servers.version
+            raise
 
     async def receive(self, timeout: float | None = None) -> None:
         """Take the next finished group, if one comes within `timeout` (default: a poll): an eval group goes to the

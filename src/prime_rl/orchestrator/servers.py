@@ -189,9 +189,10 @@ class InferenceServers:
             outcomes.append((url, result if isinstance(result, BaseException) else None))
         return outcomes
 
-    async def load_policy(self, step: int) -> float:
+    async def load_policy(self, step: int, from_disk: bool = False) -> float:
         """Every healthy server serves `pi_step` (0 = base weights), or, by broadcast, the trainer's newer policy
-        (`version` says which) when this returns; the wall time it took.
+        (`version` says which) when this returns; the wall time it took. `from_disk`: read `broadcasts/step_n/` without
+        asking the trainer (its last policy, which it writes and never announces, and may have exited since).
 
         A server that fails during the swap (connection lost, 5xx) is taken out of rotation like one that fails
         during generation, and recovery moves it to the new policy before it gets groups again: no group is ever
@@ -199,7 +200,7 @@ class InferenceServers:
         async with self.lock:
             start = time.perf_counter()
             urls = self.healthy()
-            if await self._from_trainer(step):
+            if not from_disk and await self._from_trainer(step):
                 outcomes = await self._broadcast_to(urls)
             else:
                 outcomes = await self._load_all(urls, step)
