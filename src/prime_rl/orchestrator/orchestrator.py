@@ -6,7 +6,9 @@
 Start: load the environments and their tasks -> wait for the inference servers -> base weights on a fresh
 start, or the resumed step's weights -> spawn rollout workers. Step n: the scheduler collects finished
 groups that respect the off-policy bound (swapping weights as the trainer publishes them) -> advantages per
-group, then over the batch -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint.
+group, then over the batch -> `rollouts/step_n/batch.bin`, atomically -> metrics -> maybe checkpoint. With
+`[eval]`, held-out passes run beside the training groups (`evals.py`); after the last batch the orchestrator serves
+the trainer's last policy and evaluates it before it exits.
 
 `--bench` runs the same loop on the weights the servers serve at start, with no trainer: nothing is loaded or
 waited for, no batch or checkpoint is written (nothing a trainer could consume later), and the step metrics end
