@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from prime_rl.eval.eval import env_metrics, eval_line
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.orchestrator.evals import OnlineEvals, env_metrics, eval_line, next_due, resumed_due
+from prime_rl.orchestrator.evals import OnlineEvals, next_due, resumed_due
 from prime_rl.orchestrator.messages import GroupDone, RolloutResult
 from prime_rl.orchestrator.samples import SampleTokens
 from prime_rl.utils.monitor import Monitor
@@ -385,15 +386,17 @@ def test_report_draws_the_held_out_curve(tmp_path, capsys):
 
 
 def test_sft_eval_config_is_checked_before_training(tmp_path, capsys):
+    """`sft`'s eval file is loaded by `eval --dry-run` when sft starts: a misspelt key ends it (exit 2) naming the key."""
     from prime_rl.trainer.sft.config import SFTConfig
-    from prime_rl.trainer.sft.evals import check_eval_config, eval_argv, policy_step
+    from prime_rl.trainer.sft.evals import check_eval_config, eval_command, policy_step, score_line
 
     good = tmp_path / "eval.toml"
     good.write_text('[[env]]\nid = "reverse-text"\nnum_examples = 2\n')
     config = SFTConfig(output_dir=tmp_path / "sft", eval=good, model={"name": "some/model"})
-    loaded = check_eval_config(config)
-    assert loaded.model.name == "some/model" and loaded.weights_dir == tmp_path / "sft" / "weights"
-    assert loaded.output_dir == tmp_path / "sft" / "eval" and "--weights-dir" in eval_argv(config)
+    check_eval_config(config)
+    command = eval_command(config)
+    assert command[command.index("--model.name") + 1] == "some/model"
+    assert command[command.index("--weights-dir") + 1] == str(tmp_path / "sft" / "weights")
     bad = tmp_path / "bad.toml"
     bad.write_text('[[env]]\nid = "reverse-text"\nnum_exmaples = 2\n')
     with pytest.raises(SystemExit) as exit_info:
@@ -402,3 +405,5 @@ def test_sft_eval_config_is_checked_before_training(tmp_path, capsys):
     with pytest.raises(ValidationError, match="is not a file"):
         SFTConfig(eval=tmp_path / "missing.toml")
     assert [policy_step(label) for label in ("base", "step_3", "step_40")] == [0, 3, 40]
+    line = score_line(2, {"eval/rt/avg@2": 0.5, "eval/rt/pass@2": 0.75, "eval/rt/reward_mean": 0.5})
+    assert line == "eval step 2 | rt avg@2 0.5000 | rt pass@2 0.7500"

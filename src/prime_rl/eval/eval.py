@@ -104,6 +104,44 @@ def summarize_seat(records: list[dict], rollouts_per_example: int, pass_threshol
     return summary
 
 
+def env_metrics(name: str, summary: dict, n: int, pass_threshold: float, records: list[dict]) -> dict[str, float]:
+    """One environment's metrics of a pass, from `eval`'s summary: avg@n and pass@k (k = 1, 2, 4, ..., n; with
+    n = 1 avg@1 is the mean reward and pass@1 the share solved), reward mean and std, completion length."""
+    prefix = f"eval/{name}"
+    metrics = {f"{prefix}/rollouts": summary["rollouts"], f"{prefix}/errors": summary["errors"]}
+    if summary["reward_mean"] is None:
+        return metrics
+    metrics |= {f"{prefix}/reward_mean": summary["reward_mean"], f"{prefix}/reward_std": summary["reward_std"]}
+    if n == 1:
+        ok = [r for r in records if r["error"] is None]
+        metrics[f"{prefix}/avg@1"] = summary["reward_mean"]
+        metrics[f"{prefix}/pass@1"] = sum(pass_at_k(1, int(r["reward"] >= pass_threshold), 1) for r in ok) / len(ok)
+    metrics |= {f"{prefix}/{k}": v for k, v in summary.items() if k.startswith(("avg@", "pass@")) and v is not None}
+    metrics[f"{prefix}/completion_len"] = summary["completion_tokens_mean"]
+    for seat, seat_summary in summary.get("seats", {}).items():
+        if seat_summary["reward_mean"] is not None:
+            metrics[f"{prefix}/{seat}/reward_mean"] = seat_summary["reward_mean"]
+    return metrics
+
+
+def eval_line(step: int, metrics: dict, envs: list[str], n: dict[str, int], seconds: float) -> str:
+    """The pass's console line, e.g. `eval step 2 | reverse-text avg@2 0.6100 pass@1 0.2500 pass@2 0.3750 len 8.4 |
+    32 rollouts in 1.3s`."""
+    parts, rollouts = [], 0
+    for env in envs:
+        p = f"eval/{env}"
+        rollouts += metrics[f"{p}/rollouts"]
+        if f"{p}/reward_mean" not in metrics:
+            parts.append(f"{env} no rollout succeeded ({metrics[f'{p}/errors']} errors)")
+            continue
+        k = n[env]
+        scores = [f"avg@{k} {metrics[f'{p}/avg@{k}']:.4f}", f"pass@1 {metrics[f'{p}/pass@1']:.4f}"]
+        scores += [f"pass@{k} {metrics[f'{p}/pass@{k}']:.4f}"] if k > 1 and f"{p}/pass@{k}" in metrics else []
+        errors = f" errors {metrics[f'{p}/errors']}" if metrics[f"{p}/errors"] else ""
+        parts.append(f"{env} {' '.join(scores)} len {metrics[f'{p}/completion_len']:.1f}{errors}")
+    return f"eval step {step} | {' | '.join(parts)} | {rollouts} rollouts in {seconds:.1f}s"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Policies: the served model, then weight directories loaded in place.
 
@@ -338,12 +376,16 @@ async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, res
             results.write(json.dumps(record) + "\n")
 
         seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep, model)
-        envs = {}
+        envs, metrics = {}, {}
         for env in config.env:
             mine = [r for r in records if r["env"] == env.display_name]
             envs[env.display_name] = summarize(mine, env.rollouts_per_example, config.pass_threshold)
             envs[env.display_name]["seconds"] = round(seconds, 3)
-        summary["policies"].append({"label": label, "weights": str(path) if path else None, "envs": envs})
+            n = env.rollouts_per_example
+            metrics |= env_metrics(env.display_name, envs[env.display_name], n, config.pass_threshold, mine)
+        # `metrics`: as the online evals of `rl` name them, for a run that logs this eval (`sft`'s `eval`)
+        policy = {"label": label, "weights": str(path) if path else None, "envs": envs, "metrics": metrics}
+        summary["policies"].append(policy)
         for line in reward_lines({"envs": envs, "policies": [summary["policies"][-1]]}):
             logger.info(f"{line} ({seconds:.1f}s)")
 

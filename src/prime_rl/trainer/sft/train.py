@@ -19,6 +19,7 @@ use the adapter: `PeftModel.from_pretrained(base, "weights/step_n")` (`.merge_an
 an `inference --lora` server of the base and `/load_lora_adapter` of the directory (README, "LoRA adapters").
 """
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -48,6 +49,7 @@ from prime_rl.trainer.scaffold import (
 )
 from prime_rl.trainer.sft.config import ChatDataConfig, SFTConfig
 from prime_rl.trainer.sft.data import ChatStream, DataError, DataState, fake_samples, load_examples
+from prime_rl.trainer.sft.evals import EvalFailed, check_eval_config, evaluate_exports
 from prime_rl.trainer.weights import NonFiniteWeights, full_state_dict, save_hf_dir, weights_dir
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
@@ -148,16 +150,13 @@ def export_weights(run: Run, tokenizer, target: Path, world: World, base_model: 
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SFTConfig, "sft", argv)
-    errors, eval_config = (*DATA_ERRORS, NonFiniteWeights), None
-    if config.eval is not None and config.bench is None:  # imported only then: it brings the rollout code along
-        from prime_rl.trainer.sft.evals import EvalFailed, check_eval_config, evaluate_exports
-
-        eval_config = check_eval_config(config)  # a bad eval config ends the run now, not after training
-        errors += (EvalFailed,)
-    with trainer_process("sft", config, errors) as (world, monitor):
+    evals = config.eval is not None and config.bench is None
+    if evals and int(os.environ.get("RANK", "0")) == 0:
+        check_eval_config(config)  # a bad eval config ends the run now, not after training
+    with trainer_process("sft", config, (*DATA_ERRORS, NonFiniteWeights, EvalFailed)) as (world, monitor):
         fine_tune(config, world, monitor)
-        if eval_config is not None and world.is_main:
-            evaluate_exports(config, eval_config, monitor)
+        if evals and world.is_main:
+            evaluate_exports(config, monitor)
     exit_finished()
 
 
