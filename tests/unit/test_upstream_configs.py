@@ -23,8 +23,14 @@ def entry_class(entrypoint: str):
     from prime_rl.trainer.config import TrainerConfig
     from prime_rl.trainer.sft.config import SFTConfig
 
-    return {"rl": RLConfig, "trainer": TrainerConfig, "orchestrator": OrchestratorConfig,
-            "inference": InferenceConfig, "sft": SFTConfig, "eval": EvalConfig}[entrypoint]  # fmt: skip
+    return {
+        "rl": RLConfig,
+        "trainer": TrainerConfig,
+        "orchestrator": OrchestratorConfig,
+        "inference": InferenceConfig,
+        "sft": SFTConfig,
+        "eval": EvalConfig,
+    }[entrypoint]
 
 
 def read(path: Path, entrypoint: str, scope: tuple = ()):
@@ -99,7 +105,9 @@ def test_trainer_sft_eval_and_inference_spellings():
     assert config.data.type == "fake" and config.batch_size == 2 and config.seq_len == 1024
     config, _ = read(CORPUS / "current" / "eval_two_sources.toml", "eval")
     assert [(e.id, e.num_examples, e.rollouts_per_example) for e in config.env] == [
-        ("reverse-text", 5, 4), ("arithmetic", None, 4)]  # fmt: skip
+        ("reverse-text", 5, 4),
+        ("arithmetic", None, 4),
+    ]
     config, _ = read(CORPUS / "earlier" / "eval.toml", "eval")
     assert [(e.id, e.num_examples, e.rollouts_per_example) for e in config.env] == [("reverse-text", 20, 3)]
     config, _ = read(CORPUS / "earlier" / "infer.toml", "inference")
@@ -114,8 +122,11 @@ def test_trainer_sft_eval_and_inference_spellings():
 def test_a_split_set_loads_through_rl_scoped_files(tmp_path):
     """The earlier generation's `rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml`."""
     cls = entry_class("rl")
-    files = [(CORPUS / "earlier" / "train.toml", ("trainer",)), (CORPUS / "earlier" / "orch.toml", ("orchestrator",)),
-             (CORPUS / "earlier" / "infer.toml", ("inference",))]  # fmt: skip
+    files = [
+        (CORPUS / "earlier" / "train.toml", ("trainer",)),
+        (CORPUS / "earlier" / "orch.toml", ("orchestrator",)),
+        (CORPUS / "earlier" / "infer.toml", ("inference",)),
+    ]
     notes: list = []
     config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=files), {}, "rl", notes)
     assert config.trainer.seq_len == 2048 and config.trainer.model.ac and config.orchestrator.rollouts_per_example == 8
@@ -142,7 +153,12 @@ def test_online_evals_and_validation_of_both_generations():
     config, _ = read(CORPUS / "earlier" / "orch_eval.toml", "orchestrator")
     (env,) = config.eval.env
     assert (config.eval.interval, env.name, env.num_examples, env.rollouts_per_example, env.args) == (
-        5, "rt-held-out", 12, 2, {"seed": 99})  # fmt: skip
+        5,
+        "rt-held-out",
+        12,
+        2,
+        {"seed": 99},
+    )
     config, notes = read(CORPUS / "earlier" / "orch_val.toml", "orchestrator")
     (env,) = config.eval.env
     assert (env.id, env.name, env.num_examples, config.eval.env_interval(env)) == (
@@ -173,7 +189,55 @@ def test_an_empty_ckpt_with_resume_still_saves_at_the_end_only(tmp_path):
 def test_slurm_and_a_multi_node_deployment():
     config, _ = read(CORPUS / "current" / "rl_slurm.toml", "rl")
     assert (config.slurm.job_name, config.slurm.partition, config.slurm.account, config.slurm.time) == (
-        "my-run", "gpu", "team-a", "24:00:00")  # fmt: skip
+        "my-run",
+        "gpu",
+        "team-a",
+        "24:00:00",
+    )
     assert config.slurm.nodes == 1
     config, _ = read(CORPUS / "current" / "rl_slurm_multi_node.toml", "rl")
     assert (config.slurm.nodes, config.slurm.inference_nodes, config.slurm.gpus_per_node) == (3, 1, 4)
+
+
+def test_the_env_table_is_verifiers_env_config_in_env_args():
+    """2026's `env` holds verifiers' env config: the taskset becomes `id`/`args`, every seat and option goes to
+    `env_args` (verifiers reads it the same way), minus a `null` harness and a local runtime (our defaults)."""
+    config, _ = read(CORPUS / "current" / "eval_seats.toml", "eval")
+    wordle, judged = config.env
+    assert (wordle.id, wordle.env_args, wordle.num_examples, wordle.rollouts_per_example) == (
+        "wordle",
+        {"player": {"max_turns": 6}},
+        20,
+        3,
+    )
+    assert (judged.id, judged.env_args) == ("arithmetic", {"id": "judge-env", "judge": {"model": "some-judge"}})
+    config, _ = read(CORPUS / "current" / "rl_harness_options.toml", "rl")
+    (env,) = config.orchestrator.env
+    assert env.env_args == {"agent": {"harness": {"id": "bash", "max_turns": 4}}} and env.harness is None
+
+
+def test_seq_len_set_for_the_orchestrator_alone_sizes_the_trainer_too(tmp_path):
+    """The earlier split sets often set `seq_len` in orch.toml only; the trainer's rows must hold those samples."""
+    orch = tmp_path / "orch.toml"
+    orch.write_text("batch_size = 16\nrollouts_per_example = 4\nseq_len = 4096\n")
+    cls = entry_class("rl")
+    config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(orch, ("orchestrator",))]), {}, "rl", [])
+    assert config.trainer.seq_len == config.orchestrator.seq_len == 4096
+    path = tmp_path / "rl.toml"
+    path.write_text("seq_len = 1024\n[trainer]\nseq_len = 2048\n[orchestrator]\ngroup_size = 4\nbatch_size = 16\n")
+    config, notes = read(path, "rl")  # upstream: a section's own value wins over the shared one
+    assert (config.trainer.seq_len, config.orchestrator.seq_len) == (2048, 1024)
+
+
+def test_concurrency_datasets_and_process_options():
+    config, _ = read(CORPUS / "current" / "eval_concurrency.toml", "eval")
+    assert config.max_concurrent == 2 and config.env[0].rollouts_per_example == 2  # 4 rollouts = 2 groups of 2
+    config, _ = read(CORPUS / "current" / "sft_data_source.toml", "sft")
+    assert (config.data.name, config.batch_size, config.seq_len) == ("my-org/reverse-sft", 32, 2048)
+    config, _ = read(CORPUS / "earlier" / "sft_fake_fixed.toml", "sft")
+    assert config.data.type == "fake" and config.micro_batch_tokens == 8 * 128
+    config, notes = read(CORPUS / "current" / "rl_long_broadcast_timeout.toml", "rl")
+    assert config.trainer.weight_broadcast.timeout == 300 and any("at most 300 s" in n for n in notes)
+    assert config.trainer.optim.cpu_offload and config.trainer.model.cp == 1
+    pinned = config.orchestrator.concurrency
+    assert (pinned.min_inflight, pinned.max_inflight, pinned.initial_inflight) == (32, 32, 32)

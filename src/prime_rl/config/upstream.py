@@ -124,14 +124,62 @@ def _is_on(value: Any) -> bool:
 # Environments: upstream's `[[env]]` (late 2025) and `[[train.env]]` / `[[train.source]]` / `[[source]]` (2026).
 
 
+def _seat(sub: Translator, at: Key, name: str, seat: dict) -> dict:
+    """One seat of upstream's `env` table (`agent`, `player`, `solver`, ...) as verifiers takes it in our `env_args`:
+    a `null` harness and a local runtime are our defaults and left out; a sandboxed runtime is refused."""
+    seat = dict(seat)
+    harness = seat.get("harness")
+    if isinstance(harness, dict) and "runtime" in harness:  # `harness = { id, runtime = {...} }`
+        harness = dict(harness)
+        seat["runtime"] = harness.pop("runtime")
+        seat["harness"] = harness
+    harness_id = seat["harness"].get("id") if isinstance(seat.get("harness"), dict) else seat.get("harness")
+    if "harness" in seat and harness_id in (None, "null", "none") and set(seat["harness"] or {}) <= {"id"}:
+        seat.pop("harness")
+        sub.notes.append(f"seat `{name}`: harness `null` -> the taskset's own harness (else the in-process chat one)")
+    runtime = seat.get("runtime")
+    if runtime is not None:
+        kind = runtime.get("type") if isinstance(runtime, dict) else runtime
+        if kind not in LOCAL_RUNTIMES or (isinstance(runtime, dict) and set(runtime) - {"type"}):
+            sub.refusals.append(
+                f"`{dotted(at)}` seat `{name}` (from {sub.origin}): sandboxed runtimes ({kind!r}); model-written code "
+                "runs in verifiers' local subprocess runtime here"
+            )
+        else:
+            seat.pop("runtime")
+            sub.notes.append(f"seat `{name}`: runtime {kind!r} left out: our default")
+    return seat
+
+
 def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
-    """One environment entry (at `at`) in our `EnvConfig` / `EvalEnvConfig` shape."""
+    """One environment entry (at `at`) in our `EnvConfig` / `EvalEnvConfig` shape. 2026's entries carry verifiers'
+    env config in `env` (`env.taskset`, one table per seat such as `env.agent.harness`, other env options): the
+    taskset becomes `id` and `args`, the rest our `env_args`, which verifiers reads the same way."""
     if not isinstance(item, dict):
         return item
     sub = Translator(item, t.origin)
-    # 2026: `env.taskset`, `env.agent.harness`, `env.agent.runtime`, or `taskset` / `harness` at the top.
-    for nested in (("env", "taskset"), ("env", "agent", "harness"), ("env", "agent", "runtime"), ("env", "harness")):
-        sub.rename(nested, nested[-1:])
+    env = sub.pop(("env",))
+    if env is not _MISSING:
+        env = dict(env) if isinstance(env, dict) else {}
+        if "taskset" in env:
+            sub.put(("taskset",), env.pop("taskset"), ("env", "taskset"))
+        for name in ("harness", "runtime"):  # an entry-level shorthand for the `agent` seat
+            if name in env:
+                env.setdefault("agent", {})[name] = env.pop(name)
+        seats = {
+            k: _seat(sub, at, k, v) if isinstance(v, dict) and {"harness", "runtime"} & set(v) else v
+            for k, v in env.items()
+        }
+        seats = {k: v for k, v in seats.items() if v != {}}
+        if seats:
+            sub.put(("env_args",), seats, ("env",))
+            sub.notes.append(f"`env` (verifiers' env config) -> `env_args`: {sorted(seats)}")
+    for name in ("harness", "runtime"):  # 2026's `harness = {...}` beside `taskset`: the `agent` seat
+        value = sub.pop((name,))
+        if value is not _MISSING:
+            seat = _seat(sub, at, "agent", {name: value})
+            if seat:
+                sub.put(("env_args", "agent"), seat, (name,))
     taskset = sub.pop(("taskset",))
     if taskset is not _MISSING:
         taskset = dict(taskset) if isinstance(taskset, dict) else {"id": taskset}
@@ -141,33 +189,8 @@ def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
         if taskset:
             sub.put(("args",), taskset, ("taskset",))
         sub.notes.append("`taskset.id` -> `id`, its other keys -> `args`" if taskset else "`taskset.id` -> `id`")
-    harness = sub.pop(("harness",))
-    if isinstance(harness, dict):
-        runtime = harness.pop("runtime", _MISSING)
-        if runtime is not _MISSING:
-            sub.put(("runtime",), runtime, ("harness", "runtime"))
-        harness_id = harness.pop("id", None)
-        if harness:
-            sub.refusals.append(
-                f"`{dotted(at)}.harness` (from {t.origin}): harness options {sorted(harness)} (a seat's options go in "
-                "`env_args` here)"
-            )
-        harness = harness_id
-    if harness is not _MISSING:
-        if harness in (None, "null", "none"):
-            sub.notes.append("harness `null` -> the taskset's own harness (else the in-process chat harness)")
-        else:
-            sub.put(("harness",), harness, ("harness", "id"))
-    runtime = sub.pop(("runtime",))
-    if runtime is not _MISSING:
-        kind = runtime.get("type") if isinstance(runtime, dict) else runtime
-        if kind not in LOCAL_RUNTIMES or (isinstance(runtime, dict) and set(runtime) - {"type"}):
-            sub.refusals.append(
-                f"`{dotted(at)}.runtime` (from {t.origin}): sandboxed runtimes ({kind!r}); model-written code runs "
-                "in verifiers' local subprocess runtime here"
-            )
-        else:
-            sub.notes.append(f"runtime {kind!r} left out: our default")
+    if sub.has(("address",)):
+        sub.refusals.append(f"`{dotted(at)}.address` (from {t.origin}): environments served by a separate env server")
     if sub.has(("curriculum",)):
         sub.refusals.append(f"`{dotted(at)}.curriculum` (from {t.origin}): curricula are not supported yet")
     sub.rename(("weight",), ("ratio",))
@@ -220,6 +243,26 @@ def _orchestrator(t: Translator, at: Key) -> None:
         _env_list(t, at + ("train", name), at + ("env",))
     _env_list(t, at + ("env",), at + ("env",))
     t.rename(at + ("renderer",), at + ("model", "renderer"))
+    t.rename(at + ("model", "lora", "name"), at + ("adapter", "name"))
+    for name in ("use_renderer", "use_token_client"):
+        t.leave_out(at + (name,), "requests are always rendered client-side, tokens in and out, here")
+    t.refuse(at + ("advantage", "normalize_by_pass_rate"), "advantages scaled by the group's pass rate", bool)
+    t.leave_out(at + ("advantage", "normalize_by_pass_rate"), "off", lambda v: not v)
+    t.refuse(at + ("wandb", "platform"), "the Prime Intellect platform monitor")
+    t.refuse(at + ("model", "client"), "a separate client for the policy model (NVIDIA Dynamo)")
+    t.refuse(at + ("sampling", "extra_body"), "extra request-body sampling parameters (`extra_body`)", bool)
+    t.leave_out(at + ("sampling", "extra_body"), "empty", lambda v: not v)
+    t.refuse(at + ("token_batch_size",), "batches counted in tokens (ours: `batch_size` rollouts)")
+    for name, unit in (("max_inflight_rollouts", 1), ("max_inflight_episodes", 1), ("max_inflight_groups", 0)):
+        n = t.get(at + (name,))
+        if isinstance(n, int) and n >= 1:
+            rollouts = n * (_group_size(t, at) if unit == 0 else 1)
+            t.rename(
+                at + (name,),
+                at + ("concurrency",),
+                convert=lambda _, r=rollouts: {"min_inflight": r, "max_inflight": r, "initial_inflight": r},
+                why="a fixed number in flight",
+            )
     t.rename(at + ("async_level",), at + ("max_async_level",))
     t.rename(at + ("oversampling_factor",), at + ("oversampling",))
     t.rename(at + ("lora_name",), at + ("adapter", "name"))
@@ -243,13 +286,43 @@ def _orchestrator(t: Translator, at: Key) -> None:
         for env, ratio in zip(envs, ratios, strict=True):
             env["ratio"] = ratio
         t.notes.append(f"`{dotted(at + ('buffer', 'env_ratios'))}` -> each `env.ratio`")
-    t.leave_out(at + ("algo",), "GRPO is our training algorithm", when=lambda v: isinstance(v, dict) and
-                v.get("type", "grpo") == "grpo" and set(v) <= {"type"})  # fmt: skip
+    t.leave_out(
+        at + ("algo",),
+        "GRPO is our training algorithm",
+        when=lambda v: isinstance(v, dict) and v.get("type", "grpo") == "grpo" and set(v) <= {"type"},
+    )
     t.refuse(at + ("algo",), "training algorithms other than GRPO (distillation, self-play, ...) are not supported yet")
     _online_eval(t, at + ("eval",))
     _validation(t, at)
-    t.refuse(at + ("teacher_model",), "a teacher model (distillation) is not supported yet")
+    for name in ("teacher_model", "teacher"):
+        t.refuse(at + (name,), "a teacher model (distillation) is not supported yet")
+    t.refuse(
+        at + ("training_mode",),
+        "training modes other than RL (distillation) are not supported yet",
+        lambda v: v != "rl",
+    )
+    t.leave_out(at + ("training_mode",), "RL")
+    t.refuse(at + ("prime_monitor",), "the Prime Intellect platform monitor")
     t.refuse(at + ("curriculum",), "curricula (task samplers and admission gates) are not supported yet")
+
+
+def _common(t: Translator, at: Key) -> None:
+    """Keys every process's config may carry."""
+    timeout = at + ("weight_broadcast", "timeout")
+    value = t.get(timeout)
+    if isinstance(value, int | float) and value > 300:
+        t.rename(timeout, timeout, convert=lambda _: 300, why=f"{value} s: transfers time out after at most 300 s here")
+    t.leave_out(at + ("weight_broadcast", "inference_world_size"), "every server's workers join the transfer here")
+    for name in ("clean", "clean_output_dir"):
+        t.leave_out(at + (name,), "a run that does not resume clears the previous run's outputs here", bool)
+        t.leave_out(at + (name,), "off", lambda v: not v)
+    t.refuse(at + ("env_vars",), "per-process environment variables (export them before starting)", bool)
+    t.leave_out(at + ("env_vars",), "empty", lambda v: not v)
+
+
+def _group_size(t: Translator, at: Key) -> int:
+    value = t.get(at + ("rollouts_per_example",))
+    return value if isinstance(value, int) and value >= 1 else 1
 
 
 def _online_eval(t: Translator, ev: Key) -> None:
@@ -257,11 +330,15 @@ def _online_eval(t: Translator, ev: Key) -> None:
     if not isinstance(t.get(ev), dict):
         return
     _sampling(t, ev + ("sampling",))
-    for name in ("source", "env"):
+    for name in ("source", "envs", "env"):
         _env_list(t, ev + (name,), ev + ("env",), eval_item=True)
     defaults = {}
-    for src, ours in ((("select", "limit"), "num_examples"), (("num_examples",), "num_examples"),
-                      (("group_size",), "rollouts_per_example"), (("rollouts_per_example",), "rollouts_per_example")):  # fmt: skip
+    for src, ours in (
+        (("select", "limit"), "num_examples"),
+        (("num_examples",), "num_examples"),
+        (("group_size",), "rollouts_per_example"),
+        (("rollouts_per_example",), "rollouts_per_example"),
+    ):
         value = t.pop(ev + src)
         if value is not _MISSING:
             defaults[ours] = value
@@ -285,16 +362,24 @@ def _validation(t: Translator, at: Key) -> None:
     if val is _MISSING:
         return
     if not isinstance(val, dict) or set(val) - {"num_examples", "rollouts_per_example", "interval"}:
-        t.refusals.append(f"`{dotted(at + ('val',))}` (from {t.origin}): options other than num_examples, "
-                          "rollouts_per_example and interval")  # fmt: skip
+        t.refusals.append(
+            f"`{dotted(at + ('val',))}` (from {t.origin}): options other than num_examples, "
+            "rollouts_per_example and interval"
+        )
         return
     envs = t.get(at + ("env",))
     envs = envs if isinstance(envs, list) else [{"id": "reverse-text"}]
     extra = {k: val[k] for k in ("num_examples", "rollouts_per_example", "interval") if k in val}
     extra.setdefault("num_examples", 16)
     extra.setdefault("interval", 10)
-    validation = [{**{k: e[k] for k in ("id", "args", "harness") if k in e}, "name": f"{e.get('name', e.get('id', 'reverse-text'))}-val", **extra}
-                  for e in envs]  # fmt: skip
+    validation = [
+        {
+            **{k: e[k] for k in ("id", "args", "harness") if k in e},
+            "name": f"{e.get('name', e.get('id', 'reverse-text'))}-val",
+            **extra,
+        }
+        for e in envs
+    ]
     current = t.get(at + ("eval", "env"))
     t.pop(at + ("eval", "env"))
     t.put(at + ("eval", "env"), (current if isinstance(current, list) else []) + validation, at + ("val",))
@@ -326,10 +411,16 @@ def _model(t: Translator, at: Key, seq_len_to: Key | None) -> None:
     t.refuse(m + ("lora", "modules_to_save"), "LoRA `modules_to_save` is not supported", when=bool)
     t.leave_out(m + ("lora", "modules_to_save"), "empty", when=lambda v: not v)
     t.rename(m + ("fsdp_cpu_offload",), m + ("cpu_offload",))
+    t.rename(m + ("optim_cpu_offload",), at + ("optim", "cpu_offload"))
+    t.leave_out(m + ("cp_style",), "context parallelism is Ulysses attention here", lambda v: v == "ulysses")
+    t.refuse(m + ("cp_style",), "ring-attention context parallelism (ours: Ulysses)")
     t.leave_out(m + ("reshard_after_forward",), "our FSDP2 always reshards after forward", when=lambda v: v is True)
     t.refuse(m + ("reshard_after_forward",), "keeping parameters gathered after forward is not supported")
-    for name, feature in (("ep", "MoE expert parallelism"), ("tp", "tensor parallelism in the trainer"),
-                          ("dp_replicate", "replicated data parallelism (HSDP)")):  # fmt: skip
+    for name, feature in (
+        ("ep", "MoE expert parallelism"),
+        ("tp", "tensor parallelism in the trainer"),
+        ("dp_replicate", "replicated data parallelism (HSDP)"),
+    ):
         t.leave_out(m + (name,), "1 is ours", when=lambda v: v == 1)
         t.refuse(m + (name,), f"{feature} is not supported")
     t.leave_out(
@@ -341,9 +432,10 @@ def _model(t: Translator, at: Key, seq_len_to: Key | None) -> None:
         t.leave_out(m + (name,), "master weights and gradient reduction are float32 here", lambda v: v == "float32")
         t.refuse(m + (name,), "low-precision master weights or gradient reduction are not supported")
     t.leave_out(m + ("moe_use_grouped_mm",), "a MoE kernel choice; no effect here")
+    t.leave_out(m + ("load_using_meta",), "a loading shortcut; the weights are the same")
     t.rename(m + ("fused_lm_head_token_chunk_size",), m + ("logprob_chunk",), why="positions per LM-head chunk")
     attn = t.get(m + ("attn",))
-    if attn in ("flash_attention_3", "fa3", "auto"):
+    if attn in ("flash_attention_3", "flash_attention_4", "fa3", "fa4", "auto"):
         t.rename(m + ("attn",), m + ("attn",), convert=lambda _: "sdpa", why="same attention, another kernel")
     if t.has(m + ("cp",)) and t.get(m + ("cp",)) != 1:
         t.notes.append(f"`{dotted(m + ('cp',))}`: context parallelism runs Ulysses attention here (upstream: ring)")
@@ -362,7 +454,15 @@ def _trainer(t: Translator, at: Key) -> None:
     t.leave_out(at + ("wandb", "log_extras"), "the trainer logs no samples")
     t.leave_out(at + ("dist_timeout_seconds",), "our collectives time out after at most 300 s", lambda v: v <= 300)
     t.refuse(at + ("dist_timeout_seconds",), "collective timeouts above 300 s (ours are capped at 300)")
-    for name in ("use_routing_replay", "recompute_logprobs"):
+    optim = t.get(at + ("optim", "type"))
+    t.refuse(at + ("optim", "type"), f"the {optim!r} optimizer (ours: adamw, sgd)", lambda v: v not in ("adamw", "sgd"))
+    for name in ("skip_optimizer", "skip_gather_master_weights", "skip_progress", "skip_scheduler", "skip_dataloader"):
+        t.refuse(at + ("ckpt", name), "loading part of a checkpoint (`skip_*`)", bool)
+        t.leave_out(at + ("ckpt", name), "off", lambda v: not v)
+    t.leave_out(at + ("weight_broadcast", "adapter_only"), "a LoRA run sends only its adapter here", bool)
+    t.refuse(at + ("loss", "teacher_tau"), "a teacher model (distillation) is not supported yet", bool)
+    t.leave_out(at + ("loss", "teacher_tau"), "0: no teacher", lambda v: not v)
+    for name in ("use_routing_replay", "recompute_logprobs", "enable_router_replay"):
         t.refuse(at + (name,), "MoE router replay is not supported", when=bool)
         t.leave_out(at + (name,), "off", when=lambda v: not v)
 
@@ -404,9 +504,17 @@ def _inference(t: Translator, at: Key) -> None:
         t.refuse(src + ("quantization",), "quantized serving (FP8, NVFP4, ...) is not supported", when=_is_on)
     for name in ("max_loras", "max_lora_rank"):
         t.rename(at + (name,), at + ("lora", name))
-    for name, feature in (("pd", "prefill/decode disaggregation"), ("disaggregation", "prefill/decode disaggregation"),
-                          ("router", "an inference router (vllm-router, llm-d)"),
-                          ("kv_offload", "KV-cache offload"), ("dynamo", "NVIDIA Dynamo serving")):  # fmt: skip
+    t.leave_out(at + ("backend",), "vLLM", lambda v: v == "vllm")
+    t.refuse(at + ("backend",), "serving backends other than vLLM (Dynamo, SGLang)")
+    t.leave_out(at + ("renderer",), "the renderer is the orchestrator's (`orchestrator.model.renderer`)")
+    t.refuse(at + ("enable_return_routed_experts",), "MoE router replay is not supported", bool)
+    for name, feature in (
+        ("pd", "prefill/decode disaggregation"),
+        ("disaggregation", "prefill/decode disaggregation"),
+        ("router", "an inference router (vllm-router, llm-d)"),
+        ("kv_offload", "KV-cache offload"),
+        ("dynamo", "NVIDIA Dynamo serving"),
+    ):
         t.refuse(at + (name,), f"{feature} is not supported")
         t.refuse(vllm + (name,), f"{feature} is not supported")
 
@@ -419,12 +527,19 @@ def _resume(t: Translator, at: Key) -> None:
     if resume is True:
         resume = {}
     if not isinstance(resume, dict) or set(resume) - {"step"}:
-        t.refuse(at + ("resume",), "resuming from another run's checkpoint directory (`resume.dir`); copy it into "
-                 "this run's `checkpoints/` and set `ckpt.resume_step`")  # fmt: skip
+        t.refuse(
+            at + ("resume",),
+            "resuming from another run's checkpoint directory (`resume.dir`); copy it into "
+            "this run's `checkpoints/` and set `ckpt.resume_step`",
+        )
         return
     step = resume.get("step")
-    t.rename(at + ("resume",), at + ("ckpt", "resume_step"), convert=lambda _: -1 if step is None else step,
-             why="the latest checkpoint" if step is None else "")  # fmt: skip
+    t.rename(
+        at + ("resume",),
+        at + ("ckpt", "resume_step"),
+        convert=lambda _: -1 if step is None else step,
+        why="the latest checkpoint" if step is None else "",
+    )
 
 
 def _slurm(t: Translator, at: Key) -> None:
@@ -463,6 +578,15 @@ def _slurm(t: Translator, at: Key) -> None:
 def _rl(t: Translator, at: Key) -> None:
     t.rename(at + ("monitors", "wandb"), at + ("wandb",))
     t.refuse(at + ("monitors",), "monitors other than W&B (use `tensorboard` for a local one)")
+    t.refuse(
+        at + ("deployment", "num_infer_gpus"),
+        "a run without an inference server of its own (here: "
+        "`--no-inference` and the servers' URLs in `orchestrator.client.base_url`)",
+        lambda v: v == 0,
+    )
+    t.refuse(at + ("k8s",), "Kubernetes settings in the run's config (use the Helm chart, deploy/helm)")
+    if t.refusals:
+        return
     for name in ("num_train_gpus", "num_infer_gpus"):
         count = t.get(at + ("deployment", name))
         if count is not _MISSING and (not isinstance(count, int) or count < 1):
@@ -492,6 +616,7 @@ def _sft(t: Translator, at: Key) -> None:
     data = at + ("data",)
     t.rename(data + ("seq_len",), at + ("seq_len",))
     t.rename(data + ("batch_size",), at + ("batch_size",))
+    t.rename(data + ("micro-batch-size",), data + ("micro_batch_size",))
     micro = t.pop(data + ("micro_batch_size",))
     if micro is not _MISSING:
         seq_len = t.get(at + ("seq_len",))
@@ -503,7 +628,12 @@ def _sft(t: Translator, at: Key) -> None:
             "micro-batches are packed by tokens here)"
         )
     fake = t.get(data + ("fake",))
-    if isinstance(fake, dict):
+    t.refuse(data + ("fake",), "variable-length fake SFT data (ours: full rows)", lambda v: v == "variable")
+    if isinstance(fake, str) and fake != "variable":  # the earlier `fake = "fixed"`: full rows of random tokens
+        t.pop(data + ("fake",))
+        t.put(data + ("type",), "fake", data + ("fake",))
+        t.notes.append(f'`data.fake = {fake!r}` -> `data.type = "fake"`')
+    elif isinstance(fake, dict):
         t.pop(data + ("fake",))
         t.put(data + ("type",), "fake", data + ("fake",))
         for name in ("batch_size", "seq_len"):
@@ -512,8 +642,26 @@ def _sft(t: Translator, at: Key) -> None:
         if fake:
             t.refusals.append(f"`{dotted(data + ('fake',))}` (from {t.origin}): fake-data options {sorted(fake)}")
         t.notes.append('`[data.fake]` -> `data.type = "fake"`')
+    sources = t.get(data + ("source",))
+    if isinstance(sources, list) and len(sources) == 1 and isinstance(sources[0], dict):
+        source = dict(sources[0])
+        t.pop(data + ("source",))
+        for theirs, ours in (("dataset", "name"), ("name", "name"), ("split", "split")):
+            if theirs in source:
+                t.put(data + (ours,), source.pop(theirs), data + ("source", "0", theirs))
+        if source:
+            t.refusals.append(f"`{dotted(data + ('source',))}` (from {t.origin}): dataset options {sorted(source)}")
+        t.notes.append(f"`[[{dotted(data + ('source',))}]]` -> `{dotted(data + ('name',))}`")
+    t.refuse(data + ("source",), "several SFT datasets in one run (mix them into one dataset)")
     t.rename(at + ("renderer",), data + ("renderer",))
-    t.refuse(at + ("eval",), "evals during `sft` are not supported yet (run `eval` on the saved weights)")
+    t.refuse(
+        at + ("eval",),
+        "evals during `sft` as a table: here `eval` names an `eval` config file, run on the "
+        "saved weights after training",
+    )
+    t.refuse(at + ("slurm",), "SLURM submission of `sft` from its config (use `sbatch` with `torchrun ... sft`)")
+    t.leave_out(at + ("deployment", "type"), "one node", lambda v: v == "single_node")
+    t.leave_out(at + ("deployment", "gpus_per_node"), "sft's ranks are torchrun's `--nproc-per-node` here")
     t.leave_out(at + ("inference",), "only used by evals during sft", when=lambda v: v == {})
     for name in ("num_train_gpus", "num_infer_gpus"):
         t.leave_out(at + ("deployment", name), "sft's ranks are torchrun's `--nproc-per-node` here")
@@ -532,8 +680,12 @@ def _eval(t: Translator, at: Key) -> None:
     _env_list(t, at + ("env",), at + ("env",), eval_item=True)
     # Top-level per-env defaults (both generations): copied into every environment that does not set its own.
     defaults = {}
-    for src, ours in ((("num_examples",), "num_examples"), (("rollouts_per_example",), "rollouts_per_example"),
-                      (("group_size",), "rollouts_per_example"), (("select", "limit"), "num_examples")):  # fmt: skip
+    for src, ours in (
+        (("num_examples",), "num_examples"),
+        (("rollouts_per_example",), "rollouts_per_example"),
+        (("group_size",), "rollouts_per_example"),
+        (("select", "limit"), "num_examples"),
+    ):
         value = t.pop(at + src)
         if value is not _MISSING:
             defaults[ours] = value
@@ -548,6 +700,18 @@ def _eval(t: Translator, at: Key) -> None:
                 if key == "num_examples" and value == -1:
                     continue  # upstream's "all"; ours is None
                 env.setdefault(key, value)
+    concurrency = t.get(at + ("concurrency",))
+    if isinstance(concurrency, dict) and set(concurrency) <= {"min_inflight", "max_inflight", "initial_inflight"}:
+        most = concurrency.get("max_inflight") or concurrency.get("initial_inflight")
+        t.pop(at + ("concurrency",))
+        if isinstance(most, int) and most >= 1:
+            envs = t.get(at + ("env",))
+            group = max([e.get("rollouts_per_example", 1) for e in envs] if isinstance(envs, list) else [1])
+            t.put(at + ("max_concurrent",), max(1, -(-most // group)), at + ("concurrency",))
+            t.notes.append(
+                f"`concurrency.max_inflight` = {most} rollouts -> `max_concurrent` = {max(1, -(-most // group))} "
+                "groups (eval keeps a fixed number in flight)"
+            )
     t.refuse(at + ("select",), "example selection other than `limit`")
     t.refuse(at + ("save", "hf"), "pushing results to the Hugging Face hub is not supported", when=_is_on)
     t.refuse(at + ("save", "env_hub"), "uploading results to the Environments Hub is not supported", when=bool)
@@ -587,6 +751,20 @@ def _same_key_other_meaning(t: Translator, empty_ckpt: list[Key]) -> None:
             )
 
 
+def _sections_win_over_seq_len(t: Translator) -> None:
+    """In an upstream `rl` file, a section's own `seq_len` wins over the shared one, which fills only the others."""
+    shared = t.get(("seq_len",))
+    own = [at for at in (("trainer",), ("orchestrator",)) if t.has(at + ("seq_len",))]
+    if isinstance(shared, int) and own:
+        t.pop(("seq_len",))
+        for at in (("trainer",), ("orchestrator",)):
+            if at not in own:
+                t.put(at + ("seq_len",), shared, ("seq_len",))
+        t.notes.append(
+            f"`seq_len` = {shared} fills the sections that set none ({', '.join(dotted(a) for a in own)} set their own)"
+        )
+
+
 def translate(entrypoint: str, data: dict, origin: str) -> tuple[dict, list[str]]:
     """`data` (one file's values, already placed where they load) with upstream's spellings in ours; returns it
     with one note per translation. Raises `ConfigError` naming every refused key's feature."""
@@ -597,7 +775,10 @@ def translate(entrypoint: str, data: dict, origin: str) -> tuple[dict, list[str]
             if at and not isinstance(t.get(at), dict):
                 continue
             ROLES[role](t, at)
+            _common(t, at)
     if t.notes:  # this file is in upstream's spelling
+        if entrypoint == "rl":
+            _sections_win_over_seq_len(t)
         _same_key_other_meaning(t, empty_ckpt)
     if t.refusals:
         raise ConfigError("not supported here:\n  " + "\n  ".join(t.refusals))

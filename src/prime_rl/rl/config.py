@@ -246,6 +246,8 @@ class RLConfig(EntrypointConfig):
             if getattr(self, key) is not None:
                 _share(trainer, key, getattr(self, key), "trainer", key)
                 _share(orch, key, getattr(self, key), "orchestrator", key)
+        if self.seq_len is None and "seq_len" not in trainer.model_fields_set and "seq_len" in orch.model_fields_set:
+            trainer.seq_len = orch.seq_len  # the samples' length is the orchestrator's; packed rows hold one at least
         if self.ckpt is not None:  # what both halves must agree on always, anything else where it was set
             shared = self.ckpt.model_dump(include=self.ckpt.model_fields_set | {"interval", "resume_step"})
             trainer.ckpt = _merge(trainer.ckpt, CheckpointConfig, "trainer.ckpt", "ckpt", **shared)
