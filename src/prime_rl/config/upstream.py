@@ -547,6 +547,10 @@ def _slurm(t: Translator, at: Key) -> None:
     dep, slurm = at + ("deployment",), at + ("slurm",)
     if t.get(dep + ("type",)) == "multi_node":
         t.pop(dep + ("type",))
+        if t.get(dep + ("num_infer_nodes",)) in (0, _MISSING):
+            t.refusals.append(f"`{dotted(dep)}` (from {t.origin}): a multi-node run without inference nodes")  # fmt: skip
+        if t.refusals:
+            return
         train, infer = t.pop(dep + ("num_train_nodes",)), t.pop(dep + ("num_infer_nodes",))
         if not isinstance(train, int) or not isinstance(infer, int) or train < 1 or infer < 1:
             raise ConfigError(
