@@ -48,8 +48,11 @@ def test_loads_read_from_vllm_metrics_text():
 
 
 def test_bounds_are_rollouts_rounded_up_to_groups():
-    config = OrchestratorConfig(batch_size=32, rollouts_per_example=4,
-                                concurrency={"min_inflight": 5, "max_inflight": 30, "initial_inflight": 9})  # fmt: skip
+    config = OrchestratorConfig(
+        batch_size=32,
+        rollouts_per_example=4,
+        concurrency={"min_inflight": 5, "max_inflight": 30, "initial_inflight": 9},
+    )
     assert config.inflight_bounds() == (2, 8) and config.groups_in_flight == 3
     config = OrchestratorConfig(batch_size=32, rollouts_per_example=4, concurrency={})
     assert config.inflight_bounds() == (1, 32) and config.groups_in_flight == 8  # four batches; batch x oversampling

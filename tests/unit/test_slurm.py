@@ -291,8 +291,15 @@ def test_rl_with_a_slurm_section_renders_our_script_and_submits_it(slurm_env, tm
     script = (stub / "sbatch.script").read_text()
     assert script_path == str(out / "slurm" / "rt.sbatch") and config_path == str(out / "slurm" / "rt.toml")
     header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
-    assert header == ["#SBATCH --job-name=rt", "#SBATCH --nodes=3", "#SBATCH --partition=gpu", "#SBATCH --time=2:00:00",
-                      "#SBATCH --exclusive", "#SBATCH --ntasks-per-node=1", "#SBATCH --output=slurm-%j.out"]  # fmt: skip
+    assert header == [
+        "#SBATCH --job-name=rt",
+        "#SBATCH --nodes=3",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --exclusive",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --output=slurm-%j.out",
+    ]
     job_config = tomllib.loads(Path(config_path).read_text())
     assert "slurm" not in job_config and job_config["output_dir"] == str(out)
     # The rendered script lays out the job as rl.sbatch does: here 1 inference node and 2 trainer nodes of 4 GPUs.

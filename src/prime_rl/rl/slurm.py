@@ -26,8 +26,15 @@ def render_script(slurm: SlurmConfig, template: str) -> str:
     """The template with this job's `#SBATCH` lines and node layout in place of its default job name."""
     if HEADER_LINE not in template:
         raise RuntimeError(f"{TEMPLATE}: no `{HEADER_LINE.strip()}` line to put the job's options in")
-    options = {"job-name": slurm.job_name, "nodes": str(slurm.nodes), "partition": slurm.partition,
-               "account": slurm.account, "time": slurm.time, "nodelist": slurm.nodelist, "exclude": slurm.exclude}  # fmt: skip
+    options = {
+        "job-name": slurm.job_name,
+        "nodes": str(slurm.nodes),
+        "partition": slurm.partition,
+        "account": slurm.account,
+        "time": slurm.time,
+        "nodelist": slurm.nodelist,
+        "exclude": slurm.exclude,
+    }
     lines = [f"#SBATCH --{name}={value}\n" for name, value in options.items() if value is not None]
     # After the #SBATCH block (sbatch reads options only before the first command): the layout, unless the
     # environment of `sbatch` overrides it.
