@@ -16,28 +16,9 @@ import tomllib
 from pathlib import Path
 
 from prime_rl.config.argv import ParsedArgv
+from prime_rl.config.entrypoints import config_class
 from prime_rl.config.keys import ConfigError, config_keys
 from prime_rl.config.loader import build_config
-
-
-def entry_class(entrypoint: str):
-    from prime_rl.eval.config import EvalConfig
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.orchestrator.config import OrchestratorConfig
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.sft.config import SFTConfig
-
-    classes = {
-        "rl": RLConfig,
-        "trainer": TrainerConfig,
-        "orchestrator": OrchestratorConfig,
-        "inference": InferenceConfig,
-        "sft": SFTConfig,
-        "eval": EvalConfig,
-    }
-    return classes[entrypoint]
-
 
 INFERENCE_KEYS = {"vllm", "server", "parallel", "gpu_memory_utilization", "enable_lora", "max_loras", "max_model_len"}
 
@@ -80,7 +61,7 @@ def outcome(path: Path) -> tuple[str, str, str]:
     if older_layout(data):
         return "?", "older", ""
     entrypoint = guess_entrypoint(path, data)
-    cls = entry_class(entrypoint)
+    cls = config_class(entrypoint)
     try:
         build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(path, ())]), {}, entrypoint)
     except ConfigError as e:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from prime_rl.config.argv import ParsedArgv
+from prime_rl.config.entrypoints import config_class
 from prime_rl.config.keys import ConfigError, config_keys
 from prime_rl.config.loader import build_config
 
@@ -15,26 +16,8 @@ CORPUS = Path(__file__).parent / "upstream_configs"
 FILES = sorted(CORPUS.rglob("*.toml"))
 
 
-def entry_class(entrypoint: str):
-    from prime_rl.eval.config import EvalConfig
-    from prime_rl.inference.config import InferenceConfig
-    from prime_rl.orchestrator.config import OrchestratorConfig
-    from prime_rl.rl.config import RLConfig
-    from prime_rl.trainer.config import TrainerConfig
-    from prime_rl.trainer.sft.config import SFTConfig
-
-    return {
-        "rl": RLConfig,
-        "trainer": TrainerConfig,
-        "orchestrator": OrchestratorConfig,
-        "inference": InferenceConfig,
-        "sft": SFTConfig,
-        "eval": EvalConfig,
-    }[entrypoint]
-
-
 def read(path: Path, entrypoint: str, scope: tuple = ()):
-    cls = entry_class(entrypoint)
+    cls = config_class(entrypoint)
     notes: list = []
     config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(path, scope)]), {}, entrypoint, notes)
     return config, [n for _, translated in notes for n in translated]
@@ -121,7 +104,7 @@ def test_trainer_sft_eval_and_inference_spellings():
 
 def test_a_split_set_loads_through_rl_scoped_files(tmp_path):
     """The earlier generation's `rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml`."""
-    cls = entry_class("rl")
+    cls = config_class("rl")
     files = [
         (CORPUS / "earlier" / "train.toml", ("trainer",)),
         (CORPUS / "earlier" / "orch.toml", ("orchestrator",)),
@@ -220,7 +203,7 @@ def test_seq_len_set_for_the_orchestrator_alone_sizes_the_trainer_too(tmp_path):
     """The earlier split sets often set `seq_len` in orch.toml only; the trainer's rows must hold those samples."""
     orch = tmp_path / "orch.toml"
     orch.write_text("batch_size = 16\nrollouts_per_example = 4\nseq_len = 4096\n")
-    cls = entry_class("rl")
+    cls = config_class("rl")
     config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(orch, ("orchestrator",))]), {}, "rl", [])
     assert config.trainer.seq_len == config.orchestrator.seq_len == 4096
     path = tmp_path / "rl.toml"
