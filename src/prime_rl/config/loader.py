@@ -125,18 +125,18 @@ def _lookup(data: dict, path: Key) -> Any:
     return data
 
 
+def without_nulls(value: Any) -> Any:
+    """`value` with every None-valued key dropped, at any depth: TOML has no null (the key keeps its default)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
+
+
 def to_toml(config: BaseModel) -> str:
     """The resolved config as TOML (None values are omitted: TOML has no null; secrets are masked)."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items() if v is not None}
-        if isinstance(value, list):
-            return [plain(v) for v in value]
-        return value
-
-    data = config.model_dump(mode="json", exclude_none=True)
-    return tomli_w.dumps(plain(data))
+    return tomli_w.dumps(without_nulls(config.model_dump(mode="json", exclude_none=True)))
 
 
 def write_resolved_config(config: EntrypointConfig, entrypoint: str) -> Path:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import tomli_w
 
+from prime_rl.config.loader import without_nulls
 from prime_rl.rl.config import RLConfig, SlurmConfig
 from prime_rl.utils.fs import write_atomic
 
@@ -55,7 +55,7 @@ def submit(config: RLConfig, given: dict) -> int:
     write_atomic(script, render_script(slurm, TEMPLATE.read_text()).encode())
     script.chmod(0o755)
     given = {k: v for k, v in given.items() if k != "slurm"}
-    write_atomic(job_config, tomli_w.dumps(_without_nulls(given)).encode())
+    write_atomic(job_config, tomli_w.dumps(without_nulls(given)).encode())
     try:
         done = subprocess.run([slurm.sbatch, str(script), str(job_config)], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -67,12 +67,3 @@ def submit(config: RLConfig, given: dict) -> int:
     job = m.group(1) if (m := re.search(r"(\d+)", done.stdout)) else "?"
     print(f"rl: submitted SLURM job {job} ({slurm.nodes} node(s)): {script} {job_config}", flush=True)
     return 0
-
-
-def _without_nulls(value: Any) -> Any:
-    """TOML has no null: a key set to None (`--max-steps none`) is left to its default, which is None."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
