@@ -325,6 +325,31 @@ def _group_size(t: Translator, at: Key) -> int:
     return value if isinstance(value, int) and value >= 1 else 1
 
 
+def _per_env_defaults(t: Translator, at: Key, create: bool) -> None:
+    """Eval settings both generations give once for all environments (`num_examples`, `select.limit`,
+    `rollouts_per_example`, `group_size`), copied into every `env` that does not set its own; `create`: into our
+    default environment when none is listed."""
+    defaults = {}
+    for src, ours in (
+        (("num_examples",), "num_examples"),
+        (("select", "limit"), "num_examples"),
+        (("rollouts_per_example",), "rollouts_per_example"),
+        (("group_size",), "rollouts_per_example"),
+    ):
+        value = t.pop(at + src)
+        if value is not _MISSING:
+            defaults[ours] = value
+            t.notes.append(f"`{dotted(at + src)}` -> every `{dotted(at + ('env', ours))}`")
+    envs = t.get(at + ("env",))
+    if defaults and envs is _MISSING and create:
+        envs = [{}]
+        t.put(at + ("env",), envs, at + ("env",))
+    for env in envs if isinstance(envs, list) else []:
+        for key, value in defaults.items():
+            if not (key == "num_examples" and value == -1):  # upstream's "all" is our None
+                env.setdefault(key, value)
+
+
 def _online_eval(t: Translator, ev: Key) -> None:
     """`[orchestrator.eval]` of either generation onto ours (docs/rl.md, "Online evals")."""
     if not isinstance(t.get(ev), dict):
@@ -332,21 +357,7 @@ def _online_eval(t: Translator, ev: Key) -> None:
     _sampling(t, ev + ("sampling",))
     for name in ("source", "envs", "env"):
         _env_list(t, ev + (name,), ev + ("env",), eval_item=True)
-    defaults = {}
-    for src, ours in (
-        (("select", "limit"), "num_examples"),
-        (("num_examples",), "num_examples"),
-        (("group_size",), "rollouts_per_example"),
-        (("rollouts_per_example",), "rollouts_per_example"),
-    ):
-        value = t.pop(ev + src)
-        if value is not _MISSING:
-            defaults[ours] = value
-            t.notes.append(f"`{dotted(ev + src)}` -> every `{dotted(ev + ('env', ours))}`")
-    for env in t.get(ev + ("env",)) if isinstance(t.get(ev + ("env",)), list) else []:
-        for key, value in defaults.items():
-            if not (key == "num_examples" and value == -1):  # upstream's "all" is our None
-                env.setdefault(key, value)
+    _per_env_defaults(t, ev, create=False)
     t.leave_out(ev + ("eval_base_model",), "the policy before step 1 is always evaluated here", lambda v: v is True)
     t.refuse(ev + ("eval_base_model",), "skipping the eval of the policy before step 1 is not supported")
     for name in ("skip_eval_on_resume", "skip_eval_on_restart"):
@@ -682,28 +693,7 @@ def _eval(t: Translator, at: Key) -> None:
     for name in ("source", "environment"):
         _env_list(t, at + (name,), at + ("env",), eval_item=True)
     _env_list(t, at + ("env",), at + ("env",), eval_item=True)
-    # Top-level per-env defaults (both generations): copied into every environment that does not set its own.
-    defaults = {}
-    for src, ours in (
-        (("num_examples",), "num_examples"),
-        (("rollouts_per_example",), "rollouts_per_example"),
-        (("group_size",), "rollouts_per_example"),
-        (("select", "limit"), "num_examples"),
-    ):
-        value = t.pop(at + src)
-        if value is not _MISSING:
-            defaults[ours] = value
-            t.notes.append(f"`{dotted(at + src)}` -> every `env.{ours}`")
-    if defaults:
-        envs = t.get(at + ("env",))
-        if envs is _MISSING:
-            envs = [{}]
-            t.put(at + ("env",), envs, at + ("env",))
-        for env in envs:
-            for key, value in defaults.items():
-                if key == "num_examples" and value == -1:
-                    continue  # upstream's "all"; ours is None
-                env.setdefault(key, value)
+    _per_env_defaults(t, at, create=True)
     concurrency = t.get(at + ("concurrency",))
     if isinstance(concurrency, dict) and set(concurrency) <= {"min_inflight", "max_inflight", "initial_inflight"}:
         most = concurrency.get("max_inflight") or concurrency.get("initial_inflight")
