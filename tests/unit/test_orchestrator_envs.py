@@ -140,9 +140,40 @@ def test_liveness_ends_a_run_whose_rollouts_are_all_too_long_naming_the_cause():
     message = str(e.value)
     assert "no usable rollout in the last 3 groups (3 rollouts)" in message
     assert (
-        "2 longer than seq_len=8 (the longest 10 tokens)" in message
+        "2 with no sampled token within seq_len=8 (the longest 10 tokens)" in message
         and "1 failed, e.g. 'RuntimeError: boom'" in message
     )
+
+
+def test_scheduler_trains_a_rollout_longer_than_seq_len_on_its_first_seq_len_tokens():
+    """As upstream prime-rl: a 7-token rollout under seq_len 5 is kept cut to 5 tokens and marked truncated (so
+    `mask_truncated_completions` can mask it); one whose context alone fills seq_len has nothing to train and is
+    dropped as too long; a rollout that fits is untouched."""
+    import asyncio
+
+    from scheduler_stand_ins import RecordingWorkers, StandInServers
+
+    from prime_rl.orchestrator.messages import GroupDone
+    from prime_rl.orchestrator.scheduler import Scheduler
+
+    config = OrchestratorConfig(seq_len=5, filter_zero_advantage=False)
+    scheduler = Scheduler(config, Buffer(BufferConfig(), {"e": 4}), {}, StandInServers(), RecordingWorkers())
+    asyncio.run(scheduler._submit(Group(0, "e", 0, {}, 0, "u")))
+    long = SampleTokens([1] * 7, [False] * 3 + [True] * 4, [0.0] * 3 + [-1.0] * 4, [-1] * 3 + [0] * 4)
+    prompt_fills = SampleTokens([1] * 7, [False] * 6 + [True], [0.0] * 6 + [-1.0], [-1] * 6 + [0])
+    rollouts = [RolloutResult(1.0, [long]), RolloutResult(0.0, [prompt_fills]), RolloutResult(0.5, [sample(4)])]
+    scheduler.on_done(GroupDone(id=0, rollouts=rollouts))
+    (group,) = scheduler.finished
+    assert [r.reward for r in group.rollouts] == [1.0, 0.5]
+    cut, fits = group.rollouts
+    assert (
+        cut.truncated and cut.samples[0].token_ids == [1] * 5 and cut.samples[0].loss_mask == [False] * 3 + [True] * 2
+    )
+    assert not fits.truncated and fits.samples == [sample(4)]
+    assert (scheduler.stats.cut_to_seq_len, scheduler.stats.dropped_too_long) == (1, 1)
+    masked = OrchestratorConfig(seq_len=5, mask_truncated_completions=True)
+    samples, _, _ = batch_samples([group], masked)
+    assert [any(s.loss_mask) for s in samples] == [False, True]
 
 
 def test_liveness_stall_clock_restarts_on_progress(monkeypatch):

@@ -83,3 +83,20 @@ def test_version_labels_and_spans():
     assert expand_version_spans(spans, 5) == [1, 1, 2, 2, 2]
     assert expand_version_spans(None, 3) == [-1, -1, -1]
     assert expand_version_spans([{"version": "base", "start": 0, "end": 2}], 3) == [0, 0, -1]
+
+
+def test_cut_to_seq_len_keeps_each_samples_first_tokens_and_drops_one_left_without_a_sampled_token():
+    from prime_rl.orchestrator.samples import SampleTokens, cut_to_seq_len
+
+    # prompt 1 2 3, sampled 4 5 6 7 (policy 2, 2, 3, 3): cut at 5 keeps two sampled tokens, all fields aligned.
+    long = SampleTokens(
+        [1, 2, 3, 4, 5, 6, 7], [F, F, F, T, T, T, T], [0, 0, 0, -0.1, -0.2, -0.3, -0.4], [-1] * 3 + [2, 2, 3, 3]
+    )
+    fits = SampleTokens([1, 2, 3, 4], [F, F, T, T], [0, 0, -0.5, -0.6], [-1, -1, 2, 2])
+    late = SampleTokens([1, 2, 3, 4, 5, 6], [F] * 5 + [T], [0.0] * 5 + [-0.7], [-1] * 5 + [3])  # sampled token past 5
+    kept = cut_to_seq_len([long, fits, late], 5)
+    assert kept == [
+        SampleTokens([1, 2, 3, 4, 5], [F, F, F, T, T], [0, 0, 0, -0.1, -0.2], [-1, -1, -1, 2, 2]),
+        fits,
+    ]
+    assert cut_to_seq_len([fits], 4) == [fits]  # exactly seq_len long: unchanged

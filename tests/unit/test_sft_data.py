@@ -226,10 +226,11 @@ def test_epoch_order_is_a_seeded_permutation_per_epoch():
     assert epoch_order(5, 2, seed=3, shuffle=False) == [0, 1, 2, 3, 4]
 
 
-def test_stream_resumes_exactly_and_skips_unusable_examples(tokenizers):
+def test_stream_resumes_exactly_skips_unusable_examples_and_cuts_long_ones(tokenizers):
     tok = tokenizers["llama"]
     examples = [chat((f"Reverse: {'ab' * (i % 4 + 1)}", "x" * (i % 4 + 1))) for i in range(10)]
-    examples[2] = chat(("Reverse: " + "a b " * 40, "b a " * 40))  # longer than seq_len
+    examples[2] = chat(("Reverse: " + "a b " * 40, "b a " * 40))  # the prompt alone fills seq_len: skipped
+    examples[7] = chat(("Reverse: ab", "b a " * 40))  # longer than seq_len: trained on its first 64 tokens
     examples[5] = {"prompt": [{"role": "user", "content": "hi"}], "completion": []}  # nothing to train
     config = ChatDataConfig(name="mem")
 
@@ -244,6 +245,10 @@ def test_stream_resumes_exactly_and_skips_unusable_examples(tokenizers):
     consumed = epochs[0] + epochs[1] + epochs[2][: straight.state.index]  # the last one read was used
     assert consumed[-1] == ids[-1][-1]
     assert (straight.state.skipped_too_long, straight.state.skipped_no_loss) == (consumed.count(2), consumed.count(5))
+    assert straight.state.truncated == consumed.count(7)
+    (cut,), _ = ChatStream([examples[7]], tok, config, seq_len=64, seed=1).take(1)
+    full = tokenize_example(tok, examples[7], config.loss_mask, "x")[0]
+    assert len(full[0]) > 64 and cut.token_ids == full[0][:64] and cut.loss_mask == full[1][:64]
 
     first = stream()
     for _ in range(4):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from scheduler_stand_ins import RecordingWorkers, StandInServers
 
 from prime_rl.orchestrator.config import OrchestratorConfig, TrainSamplingConfig
 from prime_rl.orchestrator.messages import RolloutResult
@@ -103,29 +104,6 @@ def test_bare_flag_enables_the_section_with_defaults():
         OrchestratorConfig, "orchestrator", ["--sampling.temperature-scaling.max-temperature", "1.2"]
     )
     assert config.sampling.temperature_scaling.max_temperature == 1.2
-
-
-class StandInServers:
-    """Stands in for `InferenceServers` (which needs live servers): one healthy server serving policy 0."""
-
-    def __init__(self):
-        self.load, self.version, self.failed = {"u": 0}, 0, []
-
-    def model_name(self, version, default):
-        return default
-
-    def mark_failed(self, url, reason):
-        self.failed.append(url)
-
-
-class RecordingWorkers:
-    """Stands in for `RolloutWorkers` (spawned processes): keeps the requests it is sent."""
-
-    def __init__(self):
-        self.requests = []
-
-    async def submit(self, request):
-        self.requests.append(request)
 
 
 def rollout(reward: float) -> RolloutResult:

@@ -224,3 +224,21 @@ def test_concurrency_datasets_and_process_options():
     assert config.trainer.optim.cpu_offload and config.trainer.model.cp == 1
     pinned = config.orchestrator.concurrency
     assert (pinned.min_inflight, pinned.max_inflight, pinned.initial_inflight) == (32, 32, 32)
+
+
+def test_max_off_policy_steps_keeps_each_generations_meaning(tmp_path):
+    """2026: the bound on a trained rollout's age (batch n trains none dispatched before policy n-1-m), which is our
+    `max_async_level`; the earlier layout's: how many policies one rollout spans, which is ours."""
+    path = tmp_path / "rl.toml"
+    path.write_text("[orchestrator]\nbatch_size = 16\ngroup_size = 4\nmax_off_policy_steps = 3\n")
+    config, notes = read(path, "rl")
+    assert (config.orchestrator.max_async_level, config.orchestrator.max_off_policy_steps) == (3, 8)
+    assert any(n.startswith("`orchestrator.max_off_policy_steps` -> `max_async_level`") for n in notes)
+    path.write_text(path.read_text() + "max_async_level = 2\n")
+    with pytest.raises(ConfigError, match="a staleness bound apart from the async level"):
+        read(path, "rl")
+    orch = tmp_path / "orch.toml"  # the earlier generation's split set
+    orch.write_text("batch_size = 16\nrollouts_per_example = 4\nmax_off_policy_steps = 3\nmax_async_level = 2\n")
+    cls = config_class("rl")
+    config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(orch, ("orchestrator",))]), {}, "rl", [])
+    assert (config.orchestrator.max_async_level, config.orchestrator.max_off_policy_steps) == (2, 3)

@@ -49,6 +49,7 @@ class Translator:
         self.origin = origin
         self.notes: list[str] = []
         self.refusals: list[str] = []
+        self.layout_2026 = _is_2026_layout(self.data)  # a few keys mean other things in the two generations
 
     def get(self, path: Key) -> Any:
         node: Any = self.data
@@ -113,6 +114,32 @@ class Translator:
         value = self.get(path)
         if value is not _MISSING and when(value):
             self.refusals.append(f"`{dotted(path)}` (from {self.origin}): {feature}")
+
+
+def _is_2026_layout(data: dict) -> bool:
+    """Whether a file is in the 2026 generation's layout: it has a key only that generation has (`group_size`,
+    `[monitors]`, `[concurrency]`, `[orchestrator.renderer]`, an environment given by its `taskset`)."""
+    orchestrator = data.get("orchestrator")
+    if isinstance(orchestrator, dict) and "renderer" in orchestrator:
+        return True
+    for section in (data, orchestrator):
+        if not isinstance(section, dict):
+            continue
+        if any(key in section for key in ("group_size", "monitors", "concurrency")):
+            return True
+        for part in ("train", "eval"):
+            table = section.get(part)
+            if not isinstance(table, dict):
+                continue
+            items = [item for name in ("env", "source") if isinstance(table.get(name), list) for item in table[name]]
+            envs = [
+                item.get("env") if isinstance(item.get("env"), dict) else item
+                for item in items
+                if isinstance(item, dict)
+            ]
+            if "group_size" in table or any("taskset" in env for env in envs):
+                return True
+    return False
 
 
 def _is_on(value: Any) -> bool:
@@ -233,7 +260,23 @@ def _sampling(t: Translator, at: Key) -> None:
 # Roles.
 
 
+def _off_policy_bound(t: Translator, at: Key) -> None:
+    """The 2026 layout's `max_off_policy_steps` bounds a trained rollout's age (batch n trains none dispatched before
+    policy n-1-m): our `max_async_level`. The earlier layout's meant the policies one rollout spans, as ours does."""
+    if not t.has(at + ("max_off_policy_steps",)) or not t.layout_2026:
+        return
+    if any(t.has(where + (name,)) for where in {at, ()} for name in ("max_async_level", "async_level")):
+        t.refuse(at + ("max_off_policy_steps",), "a staleness bound apart from the async level (ours is one bound)")
+        return
+    t.rename(
+        at + ("max_off_policy_steps",),
+        ("max_async_level",),  # in an `rl` file the shared one, which both processes read
+        why="the age bound on trained rollouts; here the rollouts may also run that many steps ahead, upstream 1",
+    )
+
+
 def _orchestrator(t: Translator, at: Key) -> None:
+    _off_policy_bound(t, at)
     for src in (at + ("group_size",), at + ("train", "group_size")):
         t.rename(src, at + ("rollouts_per_example",))
     if t.has(at + ("train", "sampling")):
@@ -731,18 +774,6 @@ def _same_key_other_meaning(t: Translator, empty_ckpt: list[Key]) -> None:
         if isinstance(t.get(at + ("ckpt",)), dict) and not t.has(at + ("ckpt", "interval")):
             t.put(at + ("ckpt", "interval"), 0, at + ("ckpt",))
             t.notes.append(f"empty `[{dotted(at + ('ckpt',))}]` -> `interval = 0`: saved after the last step only")
-    for at in [(), ("orchestrator",)]:
-        if isinstance(t.get(at + ("seq_len",)), int):
-            t.notes.append(
-                f"`{dotted(at + ('seq_len',))}`: a rollout that outgrows it ends at the limit and is not trained on "
-                "here (upstream trains on it truncated)"
-            )
-    for at in [(), ("orchestrator",)]:
-        if t.has(at + ("max_off_policy_steps",)):
-            t.notes.append(
-                f"`{dotted(at + ('max_off_policy_steps',))}`: bounds how many policy updates one group's tokens span "
-                "here (upstream: how old a rollout may be); docs/configuration.md"
-            )
 
 
 def _sections_win_over_seq_len(t: Translator) -> None:

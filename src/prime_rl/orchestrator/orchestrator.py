@@ -167,6 +167,7 @@ def batch_metrics(
         "retries": stats.retries,
         "dropped/stale": stats.dropped_stale,
         "dropped/too_long": stats.dropped_too_long,
+        "cut_to_seq_len": stats.cut_to_seq_len,
         "dropped/failed": stats.dropped_failed,
         "filtered": stats.filtered,
         "worker_loop_lag/max": stats.worker_loop_lag,

@@ -93,3 +93,15 @@ def trace_samples(
         if any(loss_mask):
             samples.append(SampleTokens(token_ids, loss_mask, logprobs, versions))
     return samples
+
+
+def cut_to_seq_len(samples: list[SampleTokens], seq_len: int) -> list[SampleTokens]:
+    """Each sample's first `seq_len` tokens, as upstream prime-rl trains an over-long rollout; a sample left with no
+    sampled token (its context alone fills `seq_len`) is dropped."""
+    cut = []
+    for s in samples:
+        if len(s.token_ids) > seq_len:
+            s = SampleTokens(s.token_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len], s.versions[:seq_len])
+        if any(s.loss_mask):
+            cut.append(s)
+    return cut

@@ -4,7 +4,7 @@ Batch `n` is trained by trainer step `n`, which publishes `pi_n`. With `k = max_
 batch `n` may start on a policy older than `pi_{n-1-k}`. The scheduler therefore tags each new group with the
 batch it is started for: finished rollouts and in-flight groups count towards the batch being filled first, and
 once that batch is covered new groups count towards the next one, which needs a newer policy. The count is in
-rollouts, not groups: a group that lost rollouts (an error, a sample longer than `seq_len`) covers less of its
+rollouts, not groups: a group that lost rollouts (an error, no sampled token within `seq_len`) covers less of its
 batch, so another group for the same batch may start at once. A group that may not start yet simply waits; when
 the batch being filled itself needs a newer policy, the scheduler waits for the trainer to publish it (its
 `broadcasts/step_m/STABLE`, or the step announced for an in-memory broadcast) and moves every server to it first
@@ -48,6 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from loguru import logger
 
 from prime_rl.orchestrator.advantage import group_has_signal
@@ -58,6 +59,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
 from prime_rl.orchestrator.evals import OnlineEvals
 from prime_rl.orchestrator.messages import GroupDone, RolloutResult, RunGroup
+from prime_rl.orchestrator.samples import cut_to_seq_len
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import RolloutWorkers
@@ -126,6 +128,9 @@ class StepStats:
     retries: int = 0
     dropped_stale: int = 0
     dropped_too_long: int = 0
+    """Rollouts without a sampled token within `seq_len` (their context alone fills it)."""
+    cut_to_seq_len: int = 0
+    """Rollouts longer than `seq_len`, trained on their first `seq_len` tokens and marked truncated."""
     dropped_failed: int = 0
     filtered: int = 0
     worker_loop_lag: float = 0.0
@@ -141,10 +146,10 @@ class StepStats:
 class Liveness:
     """Tells a run that is only slow from one that cannot make progress, and says which one it is.
 
-    `unusable_limit` consecutive groups whose every rollout was unusable (failed, or longer than `seq_len`) end
-    the run at once: retrying the same environment and settings will not help. Groups that were usable but
-    filtered or too old only waste time, so they are left to the `stall_timeout` clock, which restarts whenever
-    a group is accepted or new weights arrive."""
+    `unusable_limit` consecutive groups whose every rollout was unusable (failed, or no sampled token within
+    `seq_len`) end the run at once: retrying the same environment and settings will not help. Groups that were
+    usable but filtered or too old only waste time, so they are left to the `stall_timeout` clock, which restarts
+    whenever a group is accepted or new weights arrive."""
 
     def __init__(self, stall_timeout: float, unusable_limit: int, seq_len: int):
         self.stall_timeout, self.unusable_limit, self.seq_len = stall_timeout, unusable_limit, seq_len
@@ -182,8 +187,8 @@ class Liveness:
         parts = []
         if self.reasons["too_long"]:
             parts.append(
-                f"{self.reasons['too_long']} longer than seq_len={self.seq_len} (the longest {self.longest} tokens): "
-                "raise seq_len or lower sampling.max_tokens"
+                f"{self.reasons['too_long']} with no sampled token within seq_len={self.seq_len} (the longest "
+                f"{self.longest} tokens): raise seq_len or shorten the prompts"
             )
         if self.reasons["failed"]:
             parts.append(f"{self.reasons['failed']} failed, e.g. {self.example!r}")
@@ -479,7 +484,12 @@ class Scheduler:
                 self.stats.errors += 1
                 logger.debug(f"{group.env}/{group.task_idx}: rollout excluded: {rollout.error}")
             elif any(len(s.token_ids) > self.config.seq_len for s in rollout.samples):
-                self.stats.dropped_too_long += 1
+                samples = cut_to_seq_len(rollout.samples, self.config.seq_len)
+                if samples:
+                    self.stats.cut_to_seq_len += 1
+                    good.append(msgspec.structs.replace(rollout, samples=samples, truncated=True))
+                else:
+                    self.stats.dropped_too_long += 1
             else:
                 good.append(rollout)
         if not good:

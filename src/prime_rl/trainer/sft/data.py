@@ -282,9 +282,11 @@ class DataState:
     index: int = 0
     """Examples of that epoch's order already read (used or skipped)."""
     skipped_too_long: int = 0
-    """Examples read so far that were longer than `seq_len`."""
+    """Examples read so far whose trained tokens all lie beyond `seq_len`."""
     skipped_no_loss: int = 0
     """Examples read so far without a single trained token."""
+    truncated: int = 0
+    """Examples read so far that were longer than `seq_len` and trained on their first `seq_len` tokens."""
 
 
 class ChatStream:
@@ -334,14 +336,17 @@ class ChatStream:
                 pieces = [tokenize_rendered(self.renderer, example, roles, name)]
             else:
                 pieces = tokenize_example(self.tokenizer, example, roles, name)
-            too_long = any(len(token_ids) > self.seq_len for token_ids, _ in pieces)
-            if too_long or not any(any(loss_mask) for _, loss_mask in pieces):
+            # As upstream prime-rl: an over-long sample is trained on its first seq_len tokens.
+            longest = max(len(token_ids) for token_ids, _ in pieces)
+            has_loss = any(any(loss_mask) for _, loss_mask in pieces)
+            pieces = [(ids[: self.seq_len], mask[: self.seq_len]) for ids, mask in pieces if any(mask[: self.seq_len])]
+            if not pieces:
+                too_long = has_loss
                 if too_long:
                     self.state.skipped_too_long += 1
                 else:
                     self.state.skipped_no_loss += 1
-                longest = max(len(token_ids) for token_ids, _ in pieces)
-                reason = f"{longest} tokens > seq_len={self.seq_len}" if too_long else "no trained token"
+                reason = f"no trained token within seq_len={self.seq_len}" if too_long else "no trained token"
                 if (self.state.skipped_too_long if too_long else self.state.skipped_no_loss) == 1:
                     logger.warning(f"skipping {name}: {reason} (further skips are counted in the step lines)")
                 else:
@@ -349,8 +354,8 @@ class ChatStream:
                 skipped_in_a_row += 1
                 if skipped_in_a_row >= len(self.examples):
                     raise DataError(
-                        f"no usable example in {self.config.name}: every one is longer than seq_len={self.seq_len} "
-                        f"or has no trained token (loss_mask: {self.config.loss_mask.model_dump()})"
+                        f"no usable example in {self.config.name}: none has a trained token within "
+                        f"seq_len={self.seq_len} (loss_mask: {self.config.loss_mask.model_dump()})"
                     )
                 continue
             if len(pieces) > 1 and not self._said_branched:
@@ -361,7 +366,11 @@ class ChatStream:
                     "samples here); multi-turn examples cost more tokens with this template"
                 )
             skipped_in_a_row = 0
-            samples.extend(sft_sample(token_ids, loss_mask) for token_ids, loss_mask in pieces if any(loss_mask))
+            if longest > self.seq_len:
+                self.state.truncated += 1
+                if self.state.truncated == 1:
+                    logger.warning(f"{name}: {longest} tokens, trained on its first seq_len={self.seq_len} (counted)")
+            samples.extend(sft_sample(token_ids, loss_mask) for token_ids, loss_mask in pieces)
             ids.append(example_id)
         return samples, ids
 
