@@ -7,9 +7,11 @@ import shutil
 import string
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from conftest import API_KEY
@@ -49,7 +51,7 @@ def data_file(tmp_path_factory) -> Path:
     return path
 
 
-def sft(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc: int = 2, check: bool = True):
+def sft_command(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc: int = 2) -> list[str]:
     if nproc == 1:
         cmd = [str(Path(sys.executable).parent / "sft")]
     else:
@@ -57,7 +59,11 @@ def sft(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc:
         cmd += ["-m", "prime_rl.trainer.sft.train"]
     cmd += ["--model.name", str(model_dir), "--model.dtype", "float32"]
     cmd += ["--data.type", "fake"] if data is None else ["--data.name", str(data)]
-    cmd += ["--output-dir", str(output_dir), "--seq-len", "128", "--batch-size", "8", "--optim.lr", "3e-3", *args]
+    return cmd + ["--output-dir", str(output_dir), "--seq-len", "128", "--batch-size", "8", "--optim.lr", "3e-3", *args]
+
+
+def sft(model_dir: Path, data: Path | None, output_dir: Path, *args: str, nproc: int = 2, check: bool = True):
+    cmd = sft_command(model_dir, data, output_dir, *args, nproc=nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -247,12 +253,18 @@ def test_multi_turn_rows_train_under_qwen3_and_a_bad_row_stops_every_rank_naming
     assert "prime_rl/trainer/sft" not in proc.stderr
 
 
-def test_sft_evaluates_its_exported_weights(tied_server, data_file, tmp_path, monkeypatch):
-    """`eval = <file>`: after 2 steps (weights every step), the real `eval` measures the starting model and both exports
-    on the shared server (an external one: eval puts it back on its own weights); metrics.jsonl gets each policy's
-    eval/<env>/... at its step, matching eval's own summary."""
+def eval_processes(out: Path) -> list[psutil.Process]:
+    """Live processes of the eval a run in `out` started (its `--output-dir {out}/eval` names it)."""
+    procs = psutil.process_iter(["cmdline", "status"])
+    return [p for p in procs if str(out / "eval") in (p.info["cmdline"] or []) and p.info["status"] != "zombie"]
+
+
+def test_sft_evaluates_its_exports_while_it_trains(tied_server, data_file, tmp_path, monkeypatch):
+    """`eval = <file>`: the real `eval` follows the run on the shared server (an external one: eval puts it back on
+    its own weights). A run killed mid-training has already logged the evals of exports it made (so they ran while it
+    trained), and its eval dies with it; a run that ends waits for the eval of its last step, and metrics.jsonl gets
+    each policy's eval/<env>/... at its step, matching eval's own summary."""
     srv = tied_server
-    out = srv.root / "sft-evals"  # under the server's allowed weight root: it loads the exports
     eval_file = tmp_path / "eval.toml"
     eval_file.write_text(
         f'seq_len = 512\n[model]\nrenderer = {{ name = "qwen3", enable_thinking = false }}\n'
@@ -261,7 +273,34 @@ def test_sft_evaluates_its_exported_weights(tied_server, data_file, tmp_path, mo
     )
     monkeypatch.setenv("PRIME_TEST_API_KEY", API_KEY)  # sft's environment reaches the eval it starts
     try:
+        # A run far too long to finish: the eval of its first export shows up in metrics.jsonl while it trains on.
+        long = srv.root / "sft-evals-long"  # under the server's allowed weight root: it loads the exports
+        cmd = sft_command(srv.base, data_file, long, "--max-steps", "100000", "--weights-interval", "10",
+                          "--eval", str(eval_file), nproc=1)  # fmt: skip
+        with open(tmp_path / "long.out", "wb") as console:
+            proc = subprocess.Popen(
+                cmd, stdout=console, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            )
+        try:
+            deadline, evals = time.monotonic() + 180, []
+            while not any(row["eval/step"] >= 10 for row in evals):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "long.out").read_text()[-3000:]
+                time.sleep(0.5)
+                text = (long / "metrics.jsonl").read_text() if (long / "metrics.jsonl").exists() else ""
+                evals = [row for row in map(json.loads, text.split("\n")[:-1]) if "eval/step" in row]  # whole lines
+            assert evals[0]["eval/step"] == 0 and proc.poll() is None  # the starting model first; still training
+            assert eval_processes(long), "no eval process while sft trains"
+        finally:
+            proc.kill()  # SIGKILL: no cleanup of sft's own runs; the eval's parent-death signal stops it
+            proc.wait()
+        deadline = time.monotonic() + 60
+        while eval_processes(long):
+            assert time.monotonic() < deadline, f"the eval outlived sft: {eval_processes(long)}"
+            time.sleep(0.5)
+
+        out = srv.root / "sft-evals"
         sft(srv.base, data_file, out, "--max-steps", "2", "--weights-interval", "1", "--eval", str(eval_file), nproc=1)
+        assert not eval_processes(out)
     finally:  # the next test starts from the server's own weights
         httpx.post(f"{srv.url}/reload_weights", headers=srv.headers, json={}, timeout=60).raise_for_status()
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -397,6 +397,7 @@ def test_sft_eval_config_is_checked_before_training(tmp_path, capsys):
     command = eval_command(config)
     assert command[command.index("--model.name") + 1] == "some/model"
     assert command[command.index("--weights-dir") + 1] == str(tmp_path / "sft" / "weights")
+    assert command[command.index("--follow-until") + 1] == "100"  # max_steps: sft always exports its last step
     bad = tmp_path / "bad.toml"
     bad.write_text('[[env]]\nid = "reverse-text"\nnum_exmaples = 2\n')
     with pytest.raises(SystemExit) as exit_info:

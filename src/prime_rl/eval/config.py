@@ -74,8 +74,17 @@ class EvalConfig(RolloutsConfig):
     weights_dir: Path | None = None
     """Also evaluate every `step_*` subdirectory of this directory (`outputs/weights`, `outputs/broadcasts`)."""
 
+    follow_until: int | None = Field(None, ge=1)
+    """With `weights_dir`: wait for each `step_*` up to this step to appear there and evaluate it, then exit."""
+
     pass_threshold: float = 1.0
     """A rollout counts as solved for pass@k when its reward is at least this."""
+
+    @model_validator(mode="after")
+    def _check_follow(self):
+        if self.follow_until is not None and self.weights_dir is None:
+            raise ValueError("follow_until needs weights_dir: the directory whose step_* exports to follow")
+        return self
 
 
 class SynthesizeConfig(RolloutsConfig):

@@ -3,11 +3,14 @@
     uv run eval @ cfg.toml
     uv run eval --model.name outputs/model --inference --env '[{"id": "reverse-text", "num_examples": 50}]'
     uv run eval @ cfg.toml --weights-dir outputs/rl/broadcasts      # base + every saved step, one server
+    uv run eval @ cfg.toml --weights-dir outputs/sft/weights --follow-until 100   # + each step as a run saves it
 
 Against any OpenAI-compatible endpoint (`client.base_url`, key from `client.api_key_var`), or a model this
 command serves itself (`[inference]`). Policies after the first are loaded in place with `/update_weights`, so
-the server starts once. Writes `results.jsonl` (one line per rollout) and `summary.json` to `output_dir`, plus
-`reward_vs_step.png` when several policies are evaluated; prints a table and, per environment, one line
+the server starts once. With `follow_until`, the steps of `weights_dir` that a running training writes are evaluated
+as they appear, until that step. Writes `results.jsonl` (one line per rollout) and `summary.json` to `output_dir`,
+`policies.jsonl` (each finished policy's summary, rewritten atomically as each one finishes: a running training reads
+it), plus `reward_vs_step.png` when several policies are evaluated; prints a table and, per environment, one line
 `<env> reward: <policy> <mean>, ...`. Exit code 0 when every rollout ran, 1 when some failed (they are
 recorded with their error), 2 for a bad config.
 """
@@ -33,9 +36,14 @@ from prime_rl.inference.adapter_checks import ADAPTER_CONFIG
 from prime_rl.orchestrator.messages import RolloutResult
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.logging import setup_logging
+from prime_rl.utils.processes import exit_when_orphaned
 from prime_rl.utils.secret import take_keys_at_start
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+POLICIES_FILE = "policies.jsonl"
+"""One line per finished policy (its `summary.json` entry), rewritten atomically after each: read while eval runs."""
+FOLLOW_POLL = 1.0
+"""Seconds between looks for a new `step_*` export (`follow_until`)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,13 +186,22 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def new_exports(root: Path, after: int, until: int) -> list[tuple[int, Path]]:
+    """The complete `step_*` policies of `root` with `after` < step <= `until`, oldest first. Writers rename a finished
+    directory into place (`atomic_dir`), so a `step_*` with its model or adapter config is whole; the temporary
+    `.step_*.tmp-*` of an export being written is never matched."""
+    return [(step, path) for step, path in step_dirs(root) if after < step <= until]
+
+
 def policies(config: EvalConfig) -> list[tuple[str, Path | None]]:
-    """(label, weights) in evaluation order; the first is the model as served (None: nothing to load)."""
+    """(label, weights) in evaluation order; the first is the model as served (None: nothing to load). Following a
+    run (`follow_until`), the steps already there; later ones come from `follow_exports`."""
     result: list[tuple[str, Path | None]] = [("base", None)]
     result += [(label, resolve_weights(path)) for label, path in config.weights.items()]
     if config.weights_dir is not None:
-        steps = step_dirs(config.weights_dir)
-        if not steps:
+        if config.follow_until is not None:
+            steps = new_exports(config.weights_dir, -1, config.follow_until)
+        elif not (steps := step_dirs(config.weights_dir)):
             raise ValueError(f"--weights-dir {config.weights_dir}: no step_* model directories in it")
         result += [(f"step_{step}", path) for step, path in steps]
     labels = [label for label, _ in result]
@@ -338,20 +355,48 @@ def step_axis(labels: list[str]) -> list[int] | None:
 # The run.
 
 
+async def follow_exports(config: EvalConfig, plan: list[tuple[str, Path | None]]):
+    """The planned policies, then (`follow_until`) each `step_*` of `weights_dir` as it appears, until that step."""
+    for policy in plan:
+        yield policy
+    if config.follow_until is None:
+        return
+    last = max((int(m.group(1)) for label, _ in plan if (m := STEP_DIR.match(label))), default=-1)
+    waiting = False
+    while last < config.follow_until:
+        found = new_exports(config.weights_dir, last, config.follow_until)
+        if not found:
+            if not waiting:
+                logger.info(f"waiting for {config.weights_dir}/step_* (until step_{config.follow_until})")
+            waiting = True
+            await asyncio.sleep(FOLLOW_POLL)
+            continue
+        waiting = False
+        for step, path in found:
+            yield f"step_{step}", path
+            last = step
+
+
 async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]], planned: list[Job]) -> dict:
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"model": config.model.name, "envs": {e.display_name: e.model_dump() for e in config.env}}
     summary["policies"] = []
+    write_atomic(out / POLICIES_FILE, b"")  # an earlier run's policies are not this one's
     results_tmp = out / "results.jsonl.tmp"
+    loaded: list[tuple[str, Path | None]] = []
     async with rollout_worker(config) as worker:
         with open(results_tmp, "w") as results:
             try:
-                await run_policies(config, plan, planned, worker, results, summary)
+                async for label, path in follow_exports(config, plan):
+                    loaded.append((label, path))
+                    await run_policy(config, label, path, planned, worker, results, summary)
+                    lines = "".join(json.dumps(p) + "\n" for p in summary["policies"])
+                    write_atomic(out / POLICIES_FILE, lines.encode())
             finally:
-                if any(path is not None for _, path in plan) and config.inference is None:
+                if any(path is not None for _, path in loaded) and config.inference is None:
                     # Someone else's server: leave it serving what it served before, without our adapters.
-                    adapters = [label for label, path in plan if path is not None and is_adapter(path)]
+                    adapters = [label for label, path in loaded if path is not None and is_adapter(path)]
                     try:
                         await asyncio.to_thread(load_weights, config, "base", None)
                         await asyncio.to_thread(unload_adapters, config, adapters)
@@ -362,36 +407,39 @@ async def evaluate(config: EvalConfig, plan: list[tuple[str, Path | None]], plan
     return summary
 
 
-async def run_policies(config: EvalConfig, plan, planned: list[Job], worker, results, summary: dict) -> None:
-    for label, path in plan:
-        if path is not None:
-            await asyncio.to_thread(load_weights, config, label, path)
-        jobs = [Job(j.env, j.example_id, j.task, j.n) for j in planned]
-        model = label if path is not None and is_adapter(path) else None
-        records: list[dict] = []
+async def run_policy(
+    config: EvalConfig, label: str, path: Path | None, planned: list[Job], worker, results, summary: dict
+) -> None:
+    """Serve the policy, run every planned job on it, and add its summary to `summary["policies"]`."""
+    if path is not None:
+        await asyncio.to_thread(load_weights, config, label, path)
+    jobs = [Job(j.env, j.example_id, j.task, j.n) for j in planned]
+    model = label if path is not None and is_adapter(path) else None
+    records: list[dict] = []
 
-        def keep(job: Job, result: RolloutResult, label=label, records=records) -> None:
-            record = rollout_record(label, job, len(job.results) - 1, result)
-            records.append(record)
-            results.write(json.dumps(record) + "\n")
+    def keep(job: Job, result: RolloutResult) -> None:
+        record = rollout_record(label, job, len(job.results) - 1, result)
+        records.append(record)
+        results.write(json.dumps(record) + "\n")
 
-        seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep, model)
-        envs, metrics = {}, {}
-        for env in config.env:
-            mine = [r for r in records if r["env"] == env.display_name]
-            envs[env.display_name] = summarize(mine, env.rollouts_per_example, config.pass_threshold)
-            envs[env.display_name]["seconds"] = round(seconds, 3)
-            n = env.rollouts_per_example
-            metrics |= env_metrics(env.display_name, envs[env.display_name], n, config.pass_threshold, mine)
-        # `metrics`: as the online evals of `rl` name them, for a run that logs this eval (`sft`'s `eval`)
-        policy = {"label": label, "weights": str(path) if path else None, "envs": envs, "metrics": metrics}
-        summary["policies"].append(policy)
-        for line in reward_lines({"envs": envs, "policies": [summary["policies"][-1]]}):
-            logger.info(f"{line} ({seconds:.1f}s)")
+    seconds = await run_jobs(worker, jobs, config, f"eval {label}", keep, model)
+    envs, metrics = {}, {}
+    for env in config.env:
+        mine = [r for r in records if r["env"] == env.display_name]
+        envs[env.display_name] = summarize(mine, env.rollouts_per_example, config.pass_threshold)
+        envs[env.display_name]["seconds"] = round(seconds, 3)
+        n = env.rollouts_per_example
+        metrics |= env_metrics(env.display_name, envs[env.display_name], n, config.pass_threshold, mine)
+    # `metrics`: as the online evals of `rl` name them, for a run that logs this eval (`sft`'s `eval`)
+    policy = {"label": label, "weights": str(path) if path else None, "envs": envs, "metrics": metrics}
+    summary["policies"].append(policy)
+    for line in reward_lines({"envs": envs, "policies": [policy]}):
+        logger.info(f"{line} ({seconds:.1f}s)")
 
 
 def main(argv: list[str] | None = None) -> None:
     take_keys_at_start("eval")  # no run secret reaches the environments this process runs (`utils.secret`)
+    exit_when_orphaned()  # started by a launcher (`sft`): never outlive it, even when a graceful stop hangs
     config, _ = load_config(EvalConfig, "eval", argv)
     setup_logging("eval", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "eval")
@@ -402,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)
     weights = [p for _, p in plan if p is not None]
+    if config.follow_until is not None:  # not there yet: the server must be allowed to load it (and its siblings)
+        weights.append(config.weights_dir / f"step_{config.follow_until}")
     summary = serve_and_run("eval", config, weights, lambda: evaluate(config, plan, jobs))
     print(format_table(summary))
     if len(summary["policies"]) > 1 and (plot := plot_rewards(summary, config.output_dir / "reward_vs_step.png")):

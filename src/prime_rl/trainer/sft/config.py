@@ -97,17 +97,17 @@ class SFTConfig(EntrypointConfig):
 
     weights_interval: int | None = Field(None, ge=1)
     """Also export `weights/step_n` every this many steps (None: only after the last step); with `model.lora` each
-    is a peft adapter directory of `model.name`."""
+    is a peft adapter directory of `model.name`. With `eval`, the exports are the policies evaluated."""
 
     seed: int = 0
     """Seed of the data order (reshuffled per epoch), random initialisation and fake data."""
 
     eval: Path | None = None
-    """An `eval` config file (environments, sampling, `[inference]` or `client.base_url`): after the last step, `eval`
-    measures the starting model and every exported `weights/step_n` with it; metrics `eval/<env>/...` at each step."""
+    """An `eval` config file (environments, sampling, `[inference]` or `client.base_url`): while sft trains, `eval`
+    measures the starting model, then each `weights/step_n` once exported; metrics `eval/<env>/...` at each step."""
 
     eval_timeout: float = Field(1200.0, gt=0)
-    """Seconds that eval may take (the other ranks wait for rank 0 at the exit barrier meanwhile)."""
+    """Seconds sft waits after its last step for the eval to finish (the other ranks wait at the exit barrier)."""
 
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":

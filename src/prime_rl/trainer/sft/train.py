@@ -49,7 +49,7 @@ from prime_rl.trainer.scaffold import (
 )
 from prime_rl.trainer.sft.config import ChatDataConfig, SFTConfig
 from prime_rl.trainer.sft.data import ChatStream, DataError, DataState, fake_samples, load_examples
-from prime_rl.trainer.sft.evals import EvalFailed, check_eval_config, evaluate_exports
+from prime_rl.trainer.sft.evals import EvalFailed, FollowingEval, check_eval_config
 from prime_rl.trainer.weights import NonFiniteWeights, full_state_dict, save_hf_dir, weights_dir
 from prime_rl.utils.bench import format_bench_table
 from prime_rl.utils.monitor import Monitor
@@ -154,14 +154,20 @@ def main(argv: list[str] | None = None) -> None:
     if evals and int(os.environ.get("RANK", "0")) == 0:
         check_eval_config(config)  # a bad eval config ends the run now, not after training
     with trainer_process("sft", config, (*DATA_ERRORS, NonFiniteWeights, EvalFailed)) as (world, monitor):
-        fine_tune(config, world, monitor)
-        if evals and world.is_main:
-            evaluate_exports(config, monitor)
+        follower = FollowingEval(config, monitor) if evals and world.is_main else None
+        try:
+            fine_tune(config, world, monitor, follower)
+            if follower is not None:
+                follower.finish()
+        finally:  # an error, Ctrl-C: the eval goes with sft (a kill of sft: its parent-death signal)
+            if follower is not None:
+                follower.stop()
     exit_finished()
 
 
-def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
-    """Fine-tune for `max_steps` (`bench.steps` with `--bench`); `monitor` is rank 0's (None on the other ranks)."""
+def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None, evals: FollowingEval | None = None) -> None:
+    """Fine-tune for `max_steps` (`bench.steps` with `--bench`); `monitor` is rank 0's (None on the other ranks), as
+    is `evals`, the eval of the exports, started once the model is built and read between steps."""
     tokenizer = load_tokenizer(config.model)
     stream = open_stream(config, world, tokenizer)  # before the model: a bad dataset fails fast
     max_steps = config.bench.steps if config.bench else config.max_steps
@@ -169,6 +175,8 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
     if stream is not None and run.progress.step > 0:  # resumed: read on from the checkpoint's position
         stream.state = DataState(**asdict(run.progress.data))
         logger.info(f"the data continues at epoch {stream.state.epoch}, example {stream.state.index} of its order")
+    if evals is not None:
+        evals.start(run.progress.step)
     vocab_size = run.model.config.vocab_size
     meter = StepMeter(run.model.config, config.seq_len, world)
     timer = PhaseTimer(world.device)
@@ -213,6 +221,8 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None) -> None:
         if world.is_main:
             log_step(step, max_steps, metrics, info["examples"], monitor)
             bench_rows.append({"step": step, "seconds": t_train, **metrics})
+        if evals is not None:
+            evals.poll()
     if run.ckpt is not None:
         run.ckpt.wait()
     if config.bench is not None and world.is_main:
