@@ -714,8 +714,9 @@ def _sft(t: Translator, at: Key) -> None:
     t.rename(at + ("renderer",), data + ("renderer",))
     t.refuse(
         at + ("eval",),
-        "evals during `sft` as a table: here `eval` names an `eval` config file, run on the "
-        "saved weights after training",
+        'evals during `sft` as a table (`[[eval.source]]`, `interval`, sampling): here `eval = "eval.toml"` names an '
+        "`eval` config file, which evaluates each `weights/step_n` export (`weights_interval`) while sft trains",
+        lambda v: isinstance(v, dict),  # a path is our own key
     )
     t.refuse(at + ("slurm",), "SLURM submission of `sft` from its config (use `sbatch` with `torchrun ... sft`)")
     t.leave_out(at + ("deployment", "type"), "one node", lambda v: v == "single_node")

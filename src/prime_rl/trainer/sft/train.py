@@ -214,6 +214,7 @@ def fine_tune(config: SFTConfig, world: World, monitor: Monitor | None, evals: F
                 "data_index": data.index,
                 "skipped_too_long": data.skipped_too_long,
                 "skipped_no_loss": data.skipped_no_loss,
+                "truncated": data.truncated,
                 "time_save": t_save,
             }
             | timer.pop()
@@ -235,6 +236,8 @@ def log_step(step: int, max_steps: int, metrics: dict, examples: int | None, mon
     skipped = metrics["skipped_too_long"] + metrics["skipped_no_loss"]
     if skipped:
         data += f" skipped {metrics['skipped_too_long']} too long, {metrics['skipped_no_loss']} untrained"
+    if metrics["truncated"]:
+        data += f" cut {metrics['truncated']} to seq_len"
     logger.info(
         f"step {step}/{max_steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | "
         f"lr {metrics['lr']:.2e} | {metrics['tokens_per_s']:.0f} tok/s{mfu} | pad {100 * metrics['padding_fraction']:.0f}%"
