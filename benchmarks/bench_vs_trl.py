@@ -453,12 +453,9 @@ def main() -> None:
     config, flags = our_settings(args)
     start_model = str(config.trainer.model.name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    lock = open(args.lock, "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"waiting for {args.lock} (another benchmark is timing)", flush=True)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    from prime_rl.utils.bench import hold_timing_lock
+
+    lock = hold_timing_lock(args.lock)
     peer_runs, our_runs, rewards = [], [], []
     for run in range(args.runs):
         run_dir = args.work_dir / f"{stamp}-run{run + 1}"

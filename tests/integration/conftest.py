@@ -1,8 +1,8 @@
 """Shared integration fixtures: one real vLLM server on the tiny tied model for the whole session.
 
 vLLM takes ~100 s to start on CPU, so every module that needs "a server" (inference tests, orchestrator tests)
-shares this one. Tests must not assume which weights it serves: the orchestrator resets it on start. Its model
-carries Qwen3's sampling defaults in generation_config.json, as real checkpoints do. It serves LoRA adapters too
+shares this one; it is attachable (`inference --server.attachable`), as a user's server for `rl --attach` is. Tests
+must not assume which weights it serves: the orchestrator resets it on start. Its model carries Qwen3's sampling defaults in generation_config.json, as real checkpoints do. It serves LoRA adapters too
 (up to 4, rank <= 8): runs that train adapters share it, and the full-weight tests pass with LoRA on.
 """
 
@@ -79,6 +79,7 @@ def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:
     broadcast_port = free_port()
     extra += ["--weight-broadcast.type", "gloo", "--weight-broadcast.port", str(broadcast_port)]
     extra += ["--weight-broadcast.timeout", "60"]
+    extra += ["--server.attachable"]  # `rl --attach` and `eval --attach` tests use it as a user's running server
     srv = InferenceServer(
         base,
         root / "out",
@@ -94,7 +95,18 @@ def start_server(root, tied: bool, lora: bool = False) -> InferenceServer:
     srv.root, srv.base, srv.step_1, srv.broadcast_port = root, base, root / "step_1", broadcast_port
     srv.tokenizer = AutoTokenizer.from_pretrained(base)
     srv.prompt_ids = srv.tokenizer.encode(PROMPT)
+    srv.fresh_greedy = greedy(srv)  # what a server that just started answers (the attach tests compare with it)
     return srv
+
+
+def greedy(srv, model: str | None = None) -> dict:
+    """A greedy completion of `PROMPT` on the token route: its token ids and their log-probs."""
+    params = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "max_tokens": 12, "logprobs": 1}
+    body = {"model": model or str(srv.base), "token_ids": srv.prompt_ids, "sampling_params": params}
+    r = httpx.post(f"{srv.url}/inference/v1/generate", json=body, headers=srv.headers, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
 
 
 @pytest.fixture(scope="session")

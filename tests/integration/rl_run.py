@@ -41,10 +41,11 @@ def started_pid(log: Path, name: str, timeout: float = 600) -> int:
     """The pid `rl` logged for the process `name` it started (waiting until it has)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if m := re.search(rf"started {name} \(pid (\d+)\)", log.read_text(errors="replace")):
+        text = log.read_text(errors="replace") if log.exists() else ""  # rl may not have started logging yet
+        if m := re.search(rf"started {name} \(pid (\d+)\)", text):
             return int(m.group(1))
         time.sleep(0.2)
-    raise TimeoutError(f"{name} never started:\n{log.read_text()[-3000:]}")
+    raise TimeoutError(f"{name} never started:\n{log.read_text()[-3000:] if log.exists() else ''}")
 
 
 def run_metrics(run_dir: Path, process: str) -> list[dict]:

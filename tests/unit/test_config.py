@@ -99,7 +99,7 @@ def test_env_layer_is_deep_merged_under_toml(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PRIME_SERVER__PORT", "8123")
     a = write(tmp_path / "a.toml", "[server]\nhost = '0.0.0.0'\n")
     cfg = dry_run(InferenceConfig, ["@", str(a)], capsys)
-    assert cfg["server"] == {"host": "0.0.0.0", "port": 8123, "allow_unauthenticated": False}
+    assert cfg["server"] == {"host": "0.0.0.0", "port": 8123, "allow_unauthenticated": False, "attachable": False}
 
 
 def test_cli_spellings(capsys):

@@ -26,6 +26,10 @@ class RolloutsConfig(EntrypointConfig):
     inference: InferenceConfig | None = None
     """Serve `model.name` with our inference server for the duration of the run (`--inference`)."""
 
+    attach: bool = False
+    """Use the attachable server already on `inference.server.port` (`inference --server.attachable`) instead of
+    starting one: checked to serve `model.name`, reset to its base weights, left running at the end."""
+
     env: list[EvalEnvConfig] = [EvalEnvConfig()]
     """Environments (`[[env]]` tables)."""
 
@@ -58,6 +62,8 @@ class RolloutsConfig(EntrypointConfig):
             raise ValueError("env: configure at least one environment")
         if len(set(names)) != len(names):
             raise ValueError(f"env names must be unique, got {names}; set `name` to tell them apart")
+        if self.attach and self.inference is None:
+            raise ValueError("attach: needs the `[inference]` section (the port of the server and what it serves)")
         if self.inference is not None:
             self.inference.model.name = self.model.name
             self.inference.model.served_name = self.model.served_name

@@ -188,6 +188,30 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     return server
 
 
+def attach_inference(config: RolloutsConfig, weight_paths: list[Path]):
+    """The attachable server on `inference.server.port` (`inference/attach.py`), checked to serve `model.name` and to
+    be allowed to load `weight_paths`, reset to its base weights; returns the held attachment lock."""
+    from prime_rl.inference.attach import AttachError, hold, mismatches, outside_roots, read_card, reset
+
+    inference = config.inference
+    server, model = inference.server, inference.model
+    card = read_card(server.host, server.port)
+    problems = mismatches(card, model.name, model.dtype, model.max_model_len, None)
+    if outside := outside_roots(card, weight_paths):
+        problems.append(f"it may load weights only under {', '.join(card.weight_roots)}, not {outside[0]}")
+    if problems:
+        raise AttachError(f"the server on port {server.port} cannot serve this run: " + "; ".join(problems))
+    lock = hold(card, server.host, server.port)
+    try:
+        before = reset(card)
+    except AttachError:
+        lock.close()
+        raise
+    hold_token(config.client.api_key_var, card.http)
+    logger.info(f"attached to the inference server at {card.url} (pid {card.pid}; it served {before}, now the base)")
+    return lock
+
+
 async def stoppable(run: Callable[[], Awaitable[T]]) -> T:
     """`run()`, which SIGTERM cancels as Ctrl-C does (the rollouts in flight unwind and verifiers removes their
     working directories) instead of ending the process before any cleanup."""
@@ -199,11 +223,13 @@ async def stoppable(run: Callable[[], Awaitable[T]]) -> T:
 
 
 def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], run: Callable[[], Awaitable[T]]) -> T:
-    """Serve the model if `[inference]` asks for it, run `run()`, stop the server; a failure is one log line and
-    exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130, SIGTERM 143."""
-    server = None
+    """Serve the model if `[inference]` asks for it (or attach to a running one: `attach`), run `run()`, stop a server
+    it started; a failure is one log line and exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130, SIGTERM 143."""
+    server = attached = None
     try:
-        if config.inference is not None:
+        if config.attach:
+            attached = attach_inference(config, weight_paths)
+        elif config.inference is not None:
             server = start_inference(name, config, weight_paths)
         return asyncio.run(stoppable(run))
     except KeyboardInterrupt:
@@ -219,3 +245,5 @@ def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], r
     finally:
         if server is not None:
             stop_all([server], grace=15.0)
+        if attached is not None:
+            attached.close()  # the server stays for the next run

@@ -41,6 +41,10 @@ class ServerConfig(BaseConfig):
     """Serve on a non-loopback `host` with no API key and no run secret (anyone reaching the port may swap the
     weights); without it such a server refuses to start."""
 
+    attachable: bool = False
+    """Outlive runs: `rl --attach` and `eval --attach` use this server instead of starting one (a card with its keys
+    under ~/.cache/prime-rl/servers; a fresh secret of its own unless one is given). docs/inference.md"""
+
 
 class ParallelConfig(BaseConfig):
     tp: int = Field(1, ge=1)

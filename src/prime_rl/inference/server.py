@@ -8,6 +8,7 @@ checked by it before the engine loads.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from prime_rl.inference import cpu_engine
 from prime_rl.inference.config import InferenceConfig
 from prime_rl.utils.net import port_in_use
 from prime_rl.utils.processes import exit_when_orphaned
-from prime_rl.utils.secret import SecretError, store_key, take_keys
+from prime_rl.utils.secret import RunKeys, SecretError, adopt_keys, derive_keys, new_secret, store_key, take_keys
 
 PLUGIN_NAME = "prime_rl"
 
@@ -117,9 +118,13 @@ def main(argv: list[str] | None = None) -> None:
             "a second vLLM on it would share its connections with the first: pick another with --server.port"
         )
     from prime_rl.inference.access import open_access_problem, server_tokens
+    from prime_rl.inference.attach import remove_card, write_card
 
     try:
         keys = take_keys()  # before vLLM starts any process: none of them inherits the secret
+        if config.server.attachable and keys.store is None:  # its own keys: the runs that attach read them
+            fresh = derive_keys(new_secret())
+            keys = adopt_keys(RunKeys(fresh.store, keys.http or fresh.http))
         tokens = server_tokens(build_vllm_args(config, extra))
         problem = open_access_problem(config.server.host, tokens, config.server.allow_unauthenticated)
         if problem is None and config.weight_broadcast.in_memory and keys.store is None:
@@ -160,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
             f"CPU engine: KV cache {kv}, {blocks}; {os.environ['OMP_NUM_THREADS']} OpenMP thread(s); "
             + ("worker inside EngineCore, forked" if one else "vLLM's worker processes")
         )
+    if config.server.attachable:
+        card = write_card(config, RunKeys(keys.store, tokens[0]))
+        atexit.register(remove_card, card)
+        logger.info(f"attachable: `rl --attach` and `eval --attach` use this server (its card: {card})")
     logger.info(f"config parsed and vLLM imported in {time.perf_counter() - start:.1f}s; starting the engine")
     del uvloop  # ServeSubcommand runs its own event loop
     ServeSubcommand.cmd(args)

@@ -1,9 +1,9 @@
 """`main`: the order of an `rl` run, from loading the config to the exit code.
 
-Seed variables, config, the run's keys, model directories, the output-dir lock, logging; then the inference server
-starts, so that vLLM imports while the slower checks run (environments, resume; a failed one stops it again); the
-resolved config, cleaning stale outputs (or waiting for the host that does), then `launch`; with `--bench`, the
-table last.
+Seed variables, config, the run's keys (or, with `--attach`, the running server's: `rl/attach.py`), model
+directories, the output-dir lock, logging; then the inference server starts (unless attached), so that vLLM imports
+while the slower checks run (environments, resume; a failed one stops it again); the resolved config, cleaning stale
+outputs (or waiting for the host that does), then `launch`; with `--bench`, the table last.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from loguru import logger
 
 from prime_rl.config.loader import given_values, load_config, write_resolved_config
+from prime_rl.rl.attach import attach_server
 from prime_rl.rl.bench import metrics_size, print_bench_table
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
@@ -34,7 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(RLConfig, "rl", argv)
     if config.slurm is not None:
         sys.exit(submit(config, given_values(RLConfig, "rl", sys.argv[1:] if argv is None else argv)))
-    keys = provide_keys(config)
+    attached = None
+    if config.attach:  # the server is running: its settings and keys are the run's
+        config, keys, attached, line = attach_server(config, argv)
+    else:
+        keys = provide_keys(config)
     roles = config.deployment.roles
     names = {config.trainer.model.name} if "trainer" in roles else set()
     if config.inference is not None and "inference" in roles:
@@ -48,15 +53,20 @@ def main(argv: list[str] | None = None) -> None:
     lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
     # vLLM takes longest to start: it imports while the checks below run (a failed check stops it).
     inference = inference_process(config, config.output_dir / "logs", tag, keys)
-    if inference is not None:
+    if inference is not None or attached is not None:
         start_logging(config, tag)
+    if inference is not None:
         inference.start()
+    if attached is not None:
+        logger.info(line)
     try:
         code = prepare_and_launch(config, orchs, inference, tag, keys)
     except BaseException:
         stop_all([inference] if inference is not None else [], config.stop_grace)
         raise
     lock.release()
+    if attached is not None:
+        attached.close()  # the server stays; the next run may attach
     sys.exit(code)
 
 
@@ -72,14 +82,14 @@ def prepare_and_launch(config: RLConfig, orchs: dict, inference: Process | None,
             check_free(orch.output_dir, ["orchestrator"])
         except OutputDirBusy as e:
             fail(str(e))
-    if inference is None:  # nothing started yet: refuse a bad environment before anything is
+    if inference is None and not config.attach:  # nothing started yet: refuse a bad environment before anything is
         check_environments(list(orchs.values()))
     # With the server starting, the orchestrator loads the environments first thing and its error ends the run (exit
     # 1, its last lines shown): checking them here too cost every run ~4 s of CPU and held the orchestrator back ~6 s.
     resume_step = None
     if not config.runs and ("inference" not in roles or len(roles) > 1):
         resume_step = resolve_resume(config)
-    if inference is None:  # nothing started yet: a refused run has written nothing
+    if inference is None and not config.attach:  # nothing started yet: a refused run has written nothing
         start_logging(config, tag)
     write_resolved_config(config, f"rl{tag}")
     if config.runs:

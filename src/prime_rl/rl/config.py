@@ -173,6 +173,10 @@ class RLConfig(EntrypointConfig):
     inference: InferenceConfig | None = None
     """The inference server to start (`[inference]`); None: use the running servers in `orchestrator.client`."""
 
+    attach: bool = False
+    """Use the attachable server already on `inference.server.port` (`inference --server.attachable`) instead of
+    starting one: checked to serve this run's model, reset to its base weights, left running at the end."""
+
     model: ModelConfig | None = None
     """Shared model (name, trust_remote_code), copied into every section; the trainer's starting weights."""
 

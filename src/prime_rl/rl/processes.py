@@ -97,8 +97,8 @@ def keys_for(role: str, config: RLConfig, keys: RunKeys | None) -> RunKeys | Non
 
 
 def inference_process(config: RLConfig, log_dir: Path, tag: str, keys: RunKeys | None = None) -> Process | None:
-    """This host's inference server (not started), or None when it runs none."""
-    if config.inference is None or "inference" not in config.deployment.roles:
+    """This host's inference server (not started), or None when it runs none (or attaches to a running one)."""
+    if config.inference is None or config.attach or "inference" not in config.deployment.roles:
         return None
     env = {**_base_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, config.inference_gpu_ids))}
     env.update(omp_env(config).get("inference", {}))

@@ -58,3 +58,17 @@ def format_bench_table(rows: list[dict], columns: list[Column]) -> str:
             parts.append(f"{column.header} {_mean_std(values, column.spec)}")
     text.append(f"summary over {len(measured)} steps after the first: " + ", ".join(parts))
     return "\n".join(text)
+
+
+def hold_timing_lock(path):
+    """The exclusive lock every CPU-timing benchmark under `benchmarks/` takes (default /tmp/bench.lock), so timings
+    on a shared machine never overlap; waits, saying so, while another holds it. Held until the file is closed."""
+    import fcntl
+
+    lock = open(path, "a")  # noqa: SIM115 - held for the benchmark's length
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"waiting for {path} (another benchmark is timing)", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock

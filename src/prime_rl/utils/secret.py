@@ -137,6 +137,13 @@ def take_keys_at_start(prog: str) -> RunKeys:
         sys.exit(2)
 
 
+def adopt_keys(keys: RunKeys) -> RunKeys:
+    """Make `keys` this process's (a server with keys of its own: `inference --server.attachable`)."""
+    global _taken
+    _taken = keys
+    return keys
+
+
 def forget_keys() -> None:
     """Tests only: the next `take_keys` reads again."""
     global _taken

@@ -1,0 +1,56 @@
+"""`rl --attach`: the run uses a server that outlives it (`inference --server.attachable`, `inference/attach.py`).
+
+Before anything starts: the server's card is read and checked against the run's `[inference]` section (model,
+tokenizer, dtype, context length, adapters), the attachment lock is taken, the config is loaded again with the
+server's weight-broadcast settings (its store port and type: the server was started with them), and the server is
+reset to the base weights. The run's keys are the server's: its token, and its store key for the trainer's store.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO
+
+from prime_rl.config.loader import load_config
+from prime_rl.inference.attach import AttachError, hold, mismatches, outside_roots, read_card, reset
+from prime_rl.rl.config import RLConfig
+from prime_rl.rl.preflight import fail
+from prime_rl.utils.secret import RunKeys
+
+
+def attach_server(config: RLConfig, argv: list[str] | None) -> tuple[RLConfig, RunKeys, IO, str]:
+    """The run's config as it runs on the attached server, its keys, the held lock and a line saying what the server
+    served before the reset. Exit 2 (`fail`) when the server cannot take this run."""
+    inference = config.inference
+    if inference is None:
+        fail("--attach needs the `[inference]` section: the port of the server and what it must serve")
+    if not config.deployment.single_host or config.runs:
+        fail("--attach serves one run on one host (no `[deployment]` over several hosts, no `[[runs]]`)")
+    server, model = inference.server, inference.model
+    try:
+        card = read_card(server.host, server.port)
+        rank = inference.lora.max_lora_rank if inference.lora is not None else None
+        problems = mismatches(card, model.name, model.dtype, model.max_model_len, rank)
+        if problems:
+            raise AttachError(f"the server on port {server.port} cannot serve this run: " + "; ".join(problems))
+        lock = hold(card, server.host, server.port)
+    except AttachError as e:
+        fail(f"--attach: {e}")
+    broadcast = card.weight_broadcast
+    overrides = ["--weight-broadcast.type", broadcast["type"]]
+    if broadcast["type"] != "filesystem":
+        overrides += ["--weight-broadcast.host", broadcast["host"], "--weight-broadcast.port", str(broadcast["port"])]
+    config, _ = load_config(RLConfig, "rl", [*(sys.argv[1:] if argv is None else argv), *overrides])
+    if outside := outside_roots(card, [config.output_dir]):
+        lock.close()
+        fail(
+            f"--attach: the server may load weights only under {', '.join(card.weight_roots)}, not from {outside[0]}: "
+            "start it with `--allowed-weight-roots` naming this run's output_dir (or a directory above it)"
+        )
+    try:
+        before = reset(card)
+    except AttachError as e:
+        lock.close()
+        fail(f"--attach: {e}")
+    line = f"attached to the inference server at {card.url} (pid {card.pid}; it served {before}, now the base weights)"
+    return config, card.keys, lock, line
