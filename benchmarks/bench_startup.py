@@ -13,9 +13,10 @@ with `--model.name` the model under test, `eval` as the demo's on 8 tasks, `infe
 its /health answers) and follows every process's log as it is written: a line's time is when it appeared (polled
 every 20 ms), whatever resolution the log's own timestamps have. The phases are the first line matching each
 pattern in `PHASES`, as seconds since the command was started. `--cold` gives each run an empty bytecode cache
-(`PYTHONPYCACHEPREFIX`: every module is compiled again, as in a new virtual environment) and empty vLLM and
-torch-compile caches, and drops the page cache where it may (root). `--attach` starts one `inference` first (not
-timed) and runs `rl` attached to it (`--inference.attach`). Runs hold the exclusive lock `--lock` (/tmp/bench.lock)
+(`PYTHONPYCACHEPREFIX`: every module is compiled again, as in a new virtual environment; `--compiled` keeps the
+installed bytecode, as `uv sync --compile-bytecode` leaves it) and empty vLLM and torch-compile caches, and drops the
+page cache where it may (root). `--attach` starts one `inference` first (not
+timed) and runs `rl` attached to it (`--attach`). Runs hold the exclusive lock `--lock` (/tmp/bench.lock)
 that the other CPU benchmarks take, so timings never overlap.
 """
 
@@ -83,10 +84,10 @@ PHASES = {
         Phase("trainer", "trainer: step 1 done", r"\| step 1 \|"),
     ],
     "eval": [
-        Phase("eval", "eval: config read", r"resolved config written|starting|serving"),
+        Phase("eval", "eval: attached to the running server", r"attached to"),
+        Phase("eval", "eval: environments loaded", r"environment .*: \d+ tasks"),
         Phase("inference", "inference: config parsed, vLLM imported", r"vLLM imported in"),
         Phase("inference", "inference: API server listening", r"Starting vLLM server on"),
-        Phase("eval", "eval: server healthy", r"healthy|attached to"),
         Phase("eval", "eval: first policy scored", r"avg@|reward"),
     ],
     "inference": SERVER_PHASES,
@@ -118,8 +119,9 @@ class LogFollower:
                         self.seen[phase.label] = now
 
 
-def cold_env(scratch: Path) -> dict[str, str]:
-    """Empty caches for one run: bytecode (every module compiled again), vLLM's and torch-compile's."""
+def cold_env(scratch: Path, compiled: bool) -> dict[str, str]:
+    """Empty caches for one run: vLLM's and torch-compile's, the page cache, and bytecode (every module compiled again)
+    unless `compiled` (an environment installed with `uv sync --compile-bytecode`)."""
     for name in ("pycache", "vllm", "inductor"):
         (scratch / name).mkdir(parents=True, exist_ok=True)
     try:
@@ -127,11 +129,8 @@ def cold_env(scratch: Path) -> dict[str, str]:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError:
         pass  # not root: the page cache stays warm
-    return {
-        "PYTHONPYCACHEPREFIX": str(scratch / "pycache"),
-        "VLLM_CACHE_ROOT": str(scratch / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
-    }
+    env = {"VLLM_CACHE_ROOT": str(scratch / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor")}
+    return env if compiled else {**env, "PYTHONPYCACHEPREFIX": str(scratch / "pycache")}
 
 
 def command(what: str, model: Path, out: Path, attach: bool) -> list[str]:
@@ -139,11 +138,11 @@ def command(what: str, model: Path, out: Path, attach: bool) -> list[str]:
         cmd = [str(BIN / "rl"), "@", str(ROOT / "configs/reverse_text/rl.toml"), "--max-steps", "1"]
         cmd += ["--model.name", str(model), "--output-dir", str(out), "--no-orchestrator.eval"]
         cmd += ["--inference.server.port", str(PORT)]
-        return cmd + (["--inference.attach"] if attach else [])
+        return cmd + (["--attach"] if attach else [])
     if what == "eval":
         (out / "eval.toml").write_text(EVAL_TOML)
         cmd = [str(BIN / "eval"), "@", str(out / "eval.toml"), "--model.name", str(model), "--output-dir", str(out)]
-        return cmd + ["--inference.server.port", str(PORT)] + (["--inference.attach"] if attach else [])
+        return cmd + ["--inference.server.port", str(PORT)] + (["--attach"] if attach else [])
     cmd = [str(BIN / "inference"), "--model.name", str(model), "--model.max-model-len", "512"]
     cmd += ["--model.enforce-eager", "--model.dtype", "float32", "--server.port", str(PORT), "--output-dir", str(out)]
     if attach:  # the server the runs attach to: it receives the trainer's weights in memory, loads under /tmp
@@ -160,12 +159,14 @@ def healthy(port: int) -> bool:
         return False
 
 
-def run_once(what: str, model: Path, cold: bool, attach: bool, timeout: float) -> tuple[dict[str, float], float]:
+def run_once(
+    what: str, model: Path, cold: bool, compiled: bool, attach: bool, timeout: float
+) -> tuple[dict[str, float], float]:
     """One timed start: {phase label: seconds since the command}, and the command's total wall time."""
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         out = Path(tmp) / "out"
         (out / "logs").mkdir(parents=True)
-        env = {**os.environ, **(cold_env(Path(tmp) / "caches") if cold else {})}
+        env = {**os.environ, **(cold_env(Path(tmp) / "caches", compiled) if cold else {})}
         follower = LogFollower(out / "logs", PHASES[what])
         t0 = time.monotonic()
         proc = subprocess.Popen(
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="a model directory (default: the demo's SFT)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="empty bytecode, vLLM and compile caches per run")
+    parser.add_argument("--compiled", action="store_true", help="with --cold: keep the installed bytecode")
     parser.add_argument("--attach", action="store_true", help="rl/eval attach to one server started beforehand")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="held for all the runs")
@@ -249,13 +251,15 @@ def main() -> None:
     try:
         runs = []
         for i in range(args.runs):
-            runs.append(run_once(args.what, args.model, args.cold, args.attach, args.timeout))
+            runs.append(run_once(args.what, args.model, args.cold, args.compiled, args.attach, args.timeout))
             print(f"run {i + 1}: {runs[-1][1]:.1f}s", flush=True)
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(60)
-    mode = ("cold" if args.cold else "warm") + (", attached" if args.attach else "")
+    mode = ("cold" + (" (bytecode kept)" if args.compiled else "") if args.cold else "warm") + (
+        ", attached" if args.attach else ""
+    )
     print(f"\n{args.what}, {args.model.name}, {mode}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
     print(table(args.what, runs))
 

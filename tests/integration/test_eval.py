@@ -3,6 +3,7 @@ server lifetime, and failing endpoints give per-rollout errors and a summary ins
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,15 +176,19 @@ def test_multi_agent_env_counts_every_seat_and_seats_that_never_acted(tied_serve
     assert "12/12" in proc.stderr and "24/12" not in proc.stderr
 
 
-def test_a_bad_environment_fails_before_the_server_starts(tmp_path):
-    """`eval --inference` loads the environments first: a bad environment config is an error in seconds, not after
-    vLLM's start-up (no server is started, nothing is served)."""
+def test_a_bad_environment_fails_in_seconds_and_stops_the_server_it_started(tmp_path):
+    """`eval --inference` loads the environments while its server starts: a bad environment config is an error in
+    seconds, not after vLLM's start-up, and the server started meanwhile is stopped (nothing left running)."""
     args = [EVAL, "--output-dir", str(tmp_path), "--model.name", str(tmp_path), "--inference"]
     args += ["--env", json.dumps([{"id": "nim", "env_args": {"first": {"max_turns": "many"}}}])]
+    start = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "eval: error: environment 'nim'" in proc.stderr and "max_turns" in proc.stderr
-    assert not (tmp_path / "logs" / "inference.out").exists()
+    assert time.monotonic() - start < 60  # the server's start is not waited for
+    pid = int(re.search(r"started inference \(pid (\d+)\)", (tmp_path / "logs" / "eval.log").read_text()).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_sigterm_mid_eval_cancels_the_rollouts_and_leaves_no_working_directory(tied_server, tmp_path):
@@ -220,7 +225,7 @@ def test_evals_own_server_takes_a_fresh_token_that_nobody_else_holds(tied_server
     variable set after it started); the server's command line and environment hold none."""
     from prime_rl.config.loader import load_config
     from prime_rl.eval.config import EvalConfig
-    from prime_rl.eval.rollouts import start_inference
+    from prime_rl.eval.rollouts import start_inference, wait_served
     from prime_rl.utils.net import free_port
     from prime_rl.utils.processes import stop_all
 
@@ -231,6 +236,7 @@ def test_evals_own_server_takes_a_fresh_token_that_nobody_else_holds(tied_server
     config, _ = load_config(EvalConfig, "eval", args + ["--inference.model.max-model-len", "512"])
     server = start_inference("eval", config, [])
     try:
+        wait_served(config, server)
         token, url = os.environ[KEY_VAR], f"http://127.0.0.1:{port}"
         assert len(token) == 64 and int(token, 16) >= 0 and token != "stale-value"
         assert httpx.get(f"{url}/health").status_code == 200  # public

@@ -445,14 +445,16 @@ def main(argv: list[str] | None = None) -> None:
     write_resolved_config(config, "eval")
     try:
         plan = policies(config)
-        jobs = plan_jobs(config)  # before any server starts: a bad environment config fails in seconds
     except (ValueError, RuntimeError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)
     weights = [p for _, p in plan if p is not None]
     if config.follow_until is not None:  # not there yet: the server must be allowed to load it (and its siblings)
         weights.append(config.weights_dir / f"step_{config.follow_until}")
-    summary = serve_and_run("eval", config, weights, lambda: evaluate(config, plan, jobs))
+    # The environments load while the server starts; a bad one stops it again (exit 2).
+    summary = serve_and_run(
+        "eval", config, weights, lambda: plan_jobs(config), lambda jobs: evaluate(config, plan, jobs)
+    )
     print(format_table(summary))
     if len(summary["policies"]) > 1 and (plot := plot_rewards(summary, config.output_dir / "reward_vs_step.png")):
         logger.info(f"plot: {plot}")

@@ -40,6 +40,7 @@ from prime_rl.utils.secret import KEY_VARS, RunKeys, new_secret
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass
@@ -156,8 +157,8 @@ async def run_jobs(
 
 
 def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path]) -> Process:
-    """Our inference server on `model.name`, allowed to load `weight_paths`; healthy when this returns. Its config
-    goes to `{output_dir}/configs/<name>/inference.toml`, named after the command that served it."""
+    """Our inference server on `model.name`, allowed to load `weight_paths`, started (`wait_served` waits for it). Its
+    config goes to `{output_dir}/configs/<name>/inference.toml`, named after the command that served it."""
     inference = config.inference
     if inference.allowed_weight_roots is None:
         inference.allowed_weight_roots = sorted({p.resolve().parent for p in weight_paths}) or None
@@ -178,14 +179,14 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     keys = RunKeys(http=token)
     server = Process("inference", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "inference.out", keys)
     server.start()
-    url = config.client.base_url[0].removesuffix("/v1")
-    logger.info(f"serving {config.model.name} at {url} (vLLM takes a minute or two to start on CPU)")
-    try:
-        asyncio.run(wait_healthy([url], config.inference_timeout, process=server, warn_every=120))
-    except BaseException:
-        stop_all([server], grace=15.0)
-        raise
     return server
+
+
+def wait_served(config: RolloutsConfig, server: Process) -> None:
+    """Until the server `start_inference` started is healthy (at most `inference_timeout`)."""
+    url = config.client.base_url[0].removesuffix("/v1")
+    logger.info(f"serving {config.model.name} at {url} (vLLM takes seconds to a few minutes to start on CPU)")
+    asyncio.run(wait_healthy([url], config.inference_timeout, process=server, warn_every=120))
 
 
 def attach_inference(config: RolloutsConfig, weight_paths: list[Path]):
@@ -222,16 +223,34 @@ async def stoppable(run: Callable[[], Awaitable[T]]) -> T:
         sigterm.disarm()
 
 
-def serve_and_run(name: str, config: RolloutsConfig, weight_paths: list[Path], run: Callable[[], Awaitable[T]]) -> T:
-    """Serve the model if `[inference]` asks for it (or attach to a running one: `attach`), run `run()`, stop a server
-    it started; a failure is one log line and exit 1 (the log file has the traceback at debug level), Ctrl-C exit 130, SIGTERM 143."""
+def serve_and_run(
+    name: str,
+    config: RolloutsConfig,
+    weight_paths: list[Path],
+    prepare: Callable[[], P],
+    run: Callable[[P], Awaitable[T]],
+) -> T:
+    """Serve the model if `[inference]` asks for it (or attach to a running one: `attach`), run `run(prepare())`, stop
+    a server it started. `prepare()` (loading the environments) runs while the server starts, which it takes seconds
+    to do: a `ValueError` or `RuntimeError` there is a bad config, one line and exit 2, as is a server that cannot be
+    attached to. A failure later is one log line and exit 1 (the log file has the traceback at debug level), Ctrl-C
+    exit 130, SIGTERM 143."""
+    from prime_rl.inference.attach import AttachError
+
     server = attached = None
     try:
-        if config.attach:
-            attached = attach_inference(config, weight_paths)
-        elif config.inference is not None:
-            server = start_inference(name, config, weight_paths)
-        return asyncio.run(stoppable(run))
+        try:
+            if config.attach:
+                attached = attach_inference(config, weight_paths)
+            elif config.inference is not None:
+                server = start_inference(name, config, weight_paths)
+            prepared = prepare()
+        except (ValueError, RuntimeError, AttachError) as e:
+            print(f"{name}: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if server is not None:
+            wait_served(config, server)
+        return asyncio.run(stoppable(lambda: run(prepared)))
     except KeyboardInterrupt:
         logger.warning("interrupted")
         sys.exit(130)

@@ -79,12 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = load_config(SynthesizeConfig, "synthesize", argv)
     setup_logging("synthesize", config.log.level, config.output_dir / "logs", file_name=config.log.file)
     write_resolved_config(config, "synthesize")
-    try:
-        jobs = plan_jobs(config)  # before any server starts: a bad environment config fails in seconds
-    except (ValueError, RuntimeError) as e:
-        print(f"synthesize: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    summary = serve_and_run("synthesize", config, [], lambda: synthesize(config, jobs))
+    # The environments load while the server starts; a bad one stops it again (exit 2).
+    summary = serve_and_run("synthesize", config, [], lambda: plan_jobs(config), lambda jobs: synthesize(config, jobs))
     mean = summary["kept_reward_mean"]
     logger.info(
         f"kept {summary['kept']} of {summary['rollouts']} rollouts (errors {summary['error']}, below min_reward "

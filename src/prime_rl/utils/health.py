@@ -15,6 +15,8 @@ import httpx
 from loguru import logger
 
 HEALTHY, WEIGHTS_UNKNOWN, DOWN = "healthy", "weights_unknown", "down"
+FAST_POLL, FAST_POLL_SECONDS = 0.1, 60.0
+"""Poll every `FAST_POLL` s for the first `FAST_POLL_SECONDS` of a wait, then every second."""
 
 
 def health_state(response: httpx.Response | None, weights: httpx.Response | None = None) -> str:
@@ -77,7 +79,9 @@ async def wait_healthy(
             if now - warned > warn_every:
                 logger.warning(f"waiting for inference server(s) {pending} to become healthy ({now - start:.0f}s)")
                 warned = now
-            await asyncio.sleep(min(1.0, max(0.05, timeout - (now - start))))
+            # A server starting takes seconds: each poll interval it waits in vain delays the first step.
+            interval = FAST_POLL if now - start < FAST_POLL_SECONDS else 1.0
+            await asyncio.sleep(min(interval, max(0.05, timeout - (now - start))))
     finally:
         if own:
             await client.aclose()
