@@ -6,7 +6,8 @@ per phase and per process.
     uv run python benchmarks/bench_startup.py --what eval --runs 3
     uv run python benchmarks/bench_startup.py --what inference --runs 3
     uv run python benchmarks/bench_startup.py --attach --runs 3                 # rl attached to a running server
-    uv run python benchmarks/bench_startup.py --model outputs/models/smollm2-135m-instruct --runs 3
+    uv run python benchmarks/bench_startup.py --model outputs/models/smollm2-135m-instruct \
+        --config configs/arithmetic/smollm2-135m/rl.toml --runs 3          # after `uv run fetch-model ...`
 
 Each run starts the real command from the environment's bin/ (`rl @ configs/reverse_text/rl.toml --max-steps 1`
 with `--model.name` the model under test, `eval` as the demo's on 8 tasks, `inference` until
@@ -40,6 +41,7 @@ from prime_rl.utils.bench import hold_timing_lock
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DEMO_MODEL = ROOT / "outputs" / "reverse-text" / "sft" / "weights" / "step_450"
+DEMO_CONFIG = ROOT / "configs" / "reverse_text" / "rl.toml"
 PORT = 8417
 EVAL_TOML = """# the demo's eval (configs/reverse_text/eval.toml) on 8 tasks, the served model only
 seq_len = 512
@@ -133,9 +135,9 @@ def cold_env(scratch: Path, compiled: bool) -> dict[str, str]:
     return env if compiled else {**env, "PYTHONPYCACHEPREFIX": str(scratch / "pycache")}
 
 
-def command(what: str, model: Path, out: Path, attach: bool) -> list[str]:
+def command(what: str, model: Path, out: Path, attach: bool, rl_config: Path = DEMO_CONFIG) -> list[str]:
     if what == "rl":
-        cmd = [str(BIN / "rl"), "@", str(ROOT / "configs/reverse_text/rl.toml"), "--max-steps", "1"]
+        cmd = [str(BIN / "rl"), "@", str(rl_config), "--max-steps", "1"]
         cmd += ["--model.name", str(model), "--output-dir", str(out), "--no-orchestrator.eval"]
         cmd += ["--inference.server.port", str(PORT)]
         return cmd + (["--attach"] if attach else [])
@@ -160,7 +162,7 @@ def healthy(port: int) -> bool:
 
 
 def run_once(
-    what: str, model: Path, cold: bool, compiled: bool, attach: bool, timeout: float
+    what: str, model: Path, cold: bool, compiled: bool, attach: bool, timeout: float, rl_config: Path
 ) -> tuple[dict[str, float], float]:
     """One timed start: {phase label: seconds since the command}, and the command's total wall time."""
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
@@ -170,7 +172,7 @@ def run_once(
         follower = LogFollower(out / "logs", PHASES[what])
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            command(what, model, out, attach), cwd=ROOT, env=env, start_new_session=True,
+            command(what, model, out, attach, rl_config), cwd=ROOT, env=env, start_new_session=True,
             stdout=open(out / "console.out", "w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -235,6 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", choices=sorted(PHASES), default="rl")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="a model directory (default: the demo's SFT)")
+    parser.add_argument("--config", type=Path, default=DEMO_CONFIG, help="the rl config (its model: --model)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="empty bytecode, vLLM and compile caches per run")
     parser.add_argument("--compiled", action="store_true", help="with --cold: keep the installed bytecode")
@@ -251,7 +254,8 @@ def main() -> None:
     try:
         runs = []
         for i in range(args.runs):
-            runs.append(run_once(args.what, args.model, args.cold, args.compiled, args.attach, args.timeout))
+            run = run_once(args.what, args.model, args.cold, args.compiled, args.attach, args.timeout, args.config)
+            runs.append(run)
             print(f"run {i + 1}: {runs[-1][1]:.1f}s", flush=True)
     finally:
         if server is not None:

@@ -2,6 +2,7 @@
 card round trip and its privacy, a dead or foreign card, each mismatch a run can have with the server, the weight
 roots and the attachment lock."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -149,3 +150,29 @@ def test_rl_attach_without_a_server_or_an_inference_section_is_refused_before_an
     done = subprocess.run(rl, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and f"no attachable server on port {PORT}" in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_a_run_keeps_the_filesystem_or_takes_the_servers_in_memory_store(model_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from prime_rl.config import WeightBroadcastConfig
+    from prime_rl.rl.attach import broadcast_flags
+
+    write_card(served(model_dir, tmp_path), RunKeys(b"\x03" * 32, "t"))
+    gloo = read_card("127.0.0.1", PORT)
+
+    def run(broadcast_type: str | None):
+        given = None if broadcast_type is None else WeightBroadcastConfig(type=broadcast_type, port=1234)
+        return SimpleNamespace(weight_broadcast=given)
+
+    store = ["--weight-broadcast.type=gloo", "--weight-broadcast.host=127.0.0.1", "--weight-broadcast.port=29999"]
+    assert broadcast_flags(run(None), gloo) == store  # unsaid: the server's store
+    assert broadcast_flags(run("gloo"), gloo) == store  # its port, not the run's
+    assert broadcast_flags(run("filesystem"), gloo) == []  # the server also loads directories under its roots
+    with pytest.raises(SystemExit) as refused:
+        broadcast_flags(run("nccl"), gloo)
+    assert refused.value.code == 2
+    files = dataclasses.replace(gloo, weight_broadcast={"type": "filesystem"})
+    assert broadcast_flags(run(None), files) == ["--weight-broadcast.type", "filesystem"]
+    with pytest.raises(SystemExit):
+        broadcast_flags(run("gloo"), files)

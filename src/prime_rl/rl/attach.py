@@ -2,8 +2,8 @@
 
 Before anything starts: the server's card is read and checked against the run's `[inference]` section (model,
 tokenizer, dtype, context length, adapters), the attachment lock is taken, the config is loaded again with the
-server's weight-broadcast settings (its store port and type: the server was started with them), and the server is
-reset to the base weights. The run's keys are the server's: its token, and its store key for the trainer's store.
+server's in-memory weight-broadcast settings (its store's type, host and port: the server was started with them)
+unless the run sends weights by the filesystem, and the server is reset to the base weights. The run's keys are the server's: its token, and its store key for the trainer's store.
 """
 
 from __future__ import annotations
@@ -12,10 +12,26 @@ import sys
 from typing import IO
 
 from prime_rl.config.loader import load_config
-from prime_rl.inference.attach import AttachError, hold, mismatches, outside_roots, read_card, reset
+from prime_rl.inference.attach import AttachError, ServerCard, hold, mismatches, outside_roots, read_card, reset
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.preflight import fail
 from prime_rl.utils.secret import RunKeys
+
+
+def broadcast_flags(config: RLConfig, card: ServerCard) -> list[str]:
+    """How new policies reach the attached server: a run that asks for the filesystem keeps it (the server loads
+    `broadcasts/step_n` under its roots); one that asks for an in-memory broadcast, or says nothing, uses the store the
+    server was started to receive from (its type, host and port); another in-memory type is an error."""
+    asked, served = config.weight_broadcast, card.weight_broadcast
+    if asked is not None and asked.type == "filesystem":
+        return []
+    if served["type"] == "filesystem":
+        if asked is not None:
+            fail(f"--attach: this run sends weights by {asked.type}, the server receives them only from the filesystem")
+        return ["--weight-broadcast.type", "filesystem"]
+    if asked is not None and asked.type != served["type"]:
+        fail(f"--attach: this run sends weights by {asked.type}, the server receives them by {served['type']}")
+    return [f"--weight-broadcast.{key}={served[key]}" for key in ("type", "host", "port")]
 
 
 def attach_server(config: RLConfig, argv: list[str] | None) -> tuple[RLConfig, RunKeys, IO, str]:
@@ -36,11 +52,7 @@ def attach_server(config: RLConfig, argv: list[str] | None) -> tuple[RLConfig, R
         lock = hold(card, server.host, server.port)
     except AttachError as e:
         fail(f"--attach: {e}")
-    broadcast = card.weight_broadcast
-    overrides = ["--weight-broadcast.type", broadcast["type"]]
-    if broadcast["type"] != "filesystem":
-        overrides += ["--weight-broadcast.host", broadcast["host"], "--weight-broadcast.port", str(broadcast["port"])]
-    config, _ = load_config(RLConfig, "rl", [*(sys.argv[1:] if argv is None else argv), *overrides])
+    config, _ = load_config(RLConfig, "rl", [*(sys.argv[1:] if argv is None else argv), *broadcast_flags(config, card)])
     if outside := outside_roots(card, [config.output_dir]):
         lock.close()
         fail(
