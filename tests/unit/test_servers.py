@@ -5,7 +5,7 @@ import asyncio
 
 import httpx
 import pytest
-from fake_engine import LORA_SHAPES, FakeEngine, admin_app, lora_tensors, write_adapter
+from fake_engine import LORA_SHAPES, SHAPES, FakeEngine, admin_app, lora_tensors, make_dir, write_adapter
 
 from prime_rl.orchestrator.servers import InferenceServers, ServerError
 from prime_rl.utils.net import free_port
@@ -151,3 +151,28 @@ def test_the_trainers_word_on_this_run_is_read_only_when_newer_than_the_orchestr
     (configs / "trainer_error.txt").write_text("the trainer ended this run: it diverged at step 5 (in y)\n")
     assert servers.trainer_error() == "the trainer ended this run: it diverged at step 5 (in y)"
     asyncio.run(servers.close())
+
+
+def test_policy_0_is_not_read_again_from_disk_on_a_server_that_serves_its_base_weights(tmp_path):
+    """A server that just started (or was reset on attach) serves `base`: the orchestrator's start-up skips reloading
+    the whole model from disk (0.8 s for SmolLM2-135M on CPU, far more for large models on GPUs); a server left on
+    another policy by an earlier run is still reset."""
+    engine = FakeEngine()
+    client, swapper = admin_app(tmp_path, engine)
+    url = "http://server/v1"
+    step_3 = make_dir(tmp_path / "step_3", SHAPES)
+
+    async def start(version_before: str) -> int:
+        servers = connect(InferenceServers([url], "NO_SUCH_KEY_VAR", 5, tmp_path), client.app, url)
+        try:
+            loads = len(engine.calls)
+            await servers.load_policy(0)
+            state = (await servers.admin[url].get("/weights")).json()
+            assert state["version"] == "base", (version_before, state)
+            return len(engine.calls) - loads
+        finally:
+            await servers.close()
+
+    assert asyncio.run(start("base")) == 0
+    assert client.post("/update_weights", json={"weight_dir": str(step_3), "version": "step_3"}).status_code == 200
+    assert asyncio.run(start("step_3")) > 0  # reloaded

@@ -136,11 +136,21 @@ class InferenceServers:
         if self.adapter is not None:
             return await self._load_adapter_on(url, step)
         if step == 0:
+            if await self._serves_base(url):
+                return 0.0  # a server that just started (or was reset on attach): reading the model again is waste
             reply = await self._post(url, "/reload_weights", {}, "loading policy step 0")
         else:
             body = {"weight_dir": str(self.weight_dir(step).resolve()), "version": f"step_{step}"}
             reply = await self._post(url, "/update_weights", body, f"loading policy step {step}")
         return float(reply.get("seconds", 0.0))
+
+    async def _serves_base(self, url: str) -> bool:
+        """Whether the server serves its base weights now (`GET /weights`: version `base`, weights known)."""
+        try:
+            state = (await self.admin[url].get("/weights")).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return isinstance(state, dict) and state.get("version") == "base" and not state.get("unknown")
 
     async def _load_adapter_on(self, url: str, step: int) -> float:
         """Adapter mode: serve `pi_step` under our adapter name (step 0: requests use the base model, and our adapter,
