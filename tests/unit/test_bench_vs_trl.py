@@ -114,7 +114,9 @@ def test_sampler_sums_a_real_process_tree(tmp_path):
         time.sleep(0.1)
         sample = sampler.sample()
         assert len(bench.process_tree(proc.pid)) == 2
-        assert sample.cpu_s >= 0.5
+        # The child stops at 0.5 s of exact CPU time (process_time); /proc counts whole clock ticks (10 ms) by
+        # sampling which task the tick lands on, so under load it can show a few ticks less (0.49 s seen in CI).
+        assert sample.cpu_s >= 0.45
         assert sample.pss_kib >= 64 * 1024
     finally:
         for pid in reversed(bench.process_tree(proc.pid)):

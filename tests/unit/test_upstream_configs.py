@@ -242,3 +242,14 @@ def test_max_off_policy_steps_keeps_each_generations_meaning(tmp_path):
     cls = config_class("rl")
     config = build_config(cls, config_keys(cls), ParsedArgv(toml_files=[(orch, ("orchestrator",))]), {}, "rl", [])
     assert (config.orchestrator.max_async_level, config.orchestrator.max_off_policy_steps) == (2, 3)
+
+
+def test_our_own_orchestrator_file_with_concurrency_and_both_bounds_loads_unchanged(tmp_path):
+    """What `rl` writes for its orchestrator has `[concurrency]` (ours too) beside both bounds: it is not upstream's
+    2026 layout, and its `max_off_policy_steps` is not moved (CI caught this on the upstream reverse-text run)."""
+    path = tmp_path / "orchestrator.toml"
+    path.write_text(
+        "max_async_level = 1\nmax_off_policy_steps = 3\n[concurrency]\nmin_inflight = 8\nmax_inflight = 16\n"
+    )
+    config, notes = read(path, "orchestrator")
+    assert notes == [] and (config.max_async_level, config.max_off_policy_steps) == (1, 3)

@@ -117,15 +117,18 @@ class Translator:
 
 
 def _is_2026_layout(data: dict) -> bool:
-    """Whether a file is in the 2026 generation's layout: it has a key only that generation has (`group_size`,
-    `[monitors]`, `[concurrency]`, `[orchestrator.renderer]`, an environment given by its `taskset`)."""
-    orchestrator = data.get("orchestrator")
+    """Whether a file is in the 2026 generation's layout: it has a key only that generation has and ours never does
+    (`group_size`, `[monitors]`, `[orchestrator.renderer]`, `[inference.vllm]`, an environment given by its
+    `taskset`). Not `[concurrency]`: ours has it too."""
+    orchestrator, inference = data.get("orchestrator"), data.get("inference")
     if isinstance(orchestrator, dict) and "renderer" in orchestrator:
+        return True
+    if isinstance(inference, dict) and "vllm" in inference:
         return True
     for section in (data, orchestrator):
         if not isinstance(section, dict):
             continue
-        if any(key in section for key in ("group_size", "monitors", "concurrency")):
+        if any(key in section for key in ("group_size", "monitors")):
             return True
         for part in ("train", "eval"):
             table = section.get(part)
