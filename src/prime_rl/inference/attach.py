@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl.inference.swapper import BASE_VERSION
+from prime_rl.orchestrator.samples import parse_version
 from prime_rl.utils.fs import write_atomic
 from prime_rl.utils.secret import RunKeys
 
@@ -213,7 +213,7 @@ def reset(card: ServerCard) -> str:
             before = state.json()
             for name in before.get("adapters") or {}:
                 client.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
-            if before.get("version") != BASE_VERSION or before.get("unknown"):
+            if parse_version(before.get("version")) != 0 or before.get("unknown"):  # `base` is policy step 0
                 reply = client.post("/reload_weights", json={})
                 if reply.status_code != 200:
                     raise AttachError(f"resetting the server to its base weights failed: {reply.text[:500]}")
