@@ -1,7 +1,7 @@
 """`rl` end to end on the tiny model: async levels, failures of each process, resume, bad configs.
 
-Most runs use the session's inference server as an external server (`orchestrator.client.base_url`, no
-`[inference]` section) to save vLLM's ~100 s start; the inference-failure test lets `rl` start its own."""
+Every run attaches to the session's inference server (`rl --attach`, as a user's debug loop does) to save vLLM's
+start; `test_attach.py` has a run that starts its own."""
 
 import json
 import os
@@ -27,13 +27,30 @@ KEY_VAR = "PRIME_TEST_API_KEY"
 REVERSE_TEXT = '[[orchestrator.env]]\nid = "reverse-text"\n'
 
 
-def write_config(path: Path, srv, out: Path, k: int, steps: int, extra: str = "", envs: str = REVERSE_TEXT) -> Path:
-    client = f'[orchestrator.client]\nbase_url = ["{srv.url}/v1"]\napi_key_var = "{KEY_VAR}"\n'
-    return write_rl_config(path, srv.base, out, k, steps, top=extra, bottom=envs + client)
+def write_config(
+    path: Path, srv, out: Path, k: int, steps: int, extra: str = "", envs: str = REVERSE_TEXT, attach: bool = True
+) -> Path:
+    """`attach`: `[inference]` names the shared server and the run attaches to it (`start_rl(..., attach=True)`), as a
+    user's debug loop does; a run that says nothing of its weight broadcast keeps the filesystem (attached, it would
+    take the server's in-memory store). Else the server is an external one of `orchestrator.client`, with the run
+    secret it was started with (`[[runs]]`, which cannot attach)."""
+    if not attach:
+        client = f'[orchestrator.client]\nbase_url = ["{srv.url}/v1"]\napi_key_var = "{KEY_VAR}"\n'
+        return write_rl_config(path, srv.base, out, k, steps, top=extra, bottom=envs + client)
+    server = f"\n[inference.server]\nport = {srv.port}\n[inference.model]\nmax_model_len = 512\n"
+    if "[weight_broadcast]" not in extra:
+        server += '[weight_broadcast]\ntype = "filesystem"\n'
+    return write_rl_config(path, srv.base, out, k, steps, top=extra + server, bottom=envs)
 
 
-def start_rl(config: Path, *args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, KEY_VAR: API_KEY, SECRET_VAR: RUN_SECRET}  # the shared server's run secret
+def start_rl(config: Path, *args: str, log: Path, attach: bool = True) -> subprocess.Popen:
+    """`rl` on `config`; attached to the shared server with the keys its card holds, or as an external server's
+    client with its API key and run secret."""
+    if attach:
+        env = {k: v for k, v in os.environ.items() if k not in (KEY_VAR, SECRET_VAR)}
+        args = ("--attach", *args)
+    else:
+        env = {**os.environ, KEY_VAR: API_KEY, SECRET_VAR: RUN_SECRET}  # the shared server's run secret
     return subprocess.Popen([RL, "@", str(config), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -32,12 +32,12 @@ orchestrator = { adapter = { optim = { lr = 1e-2 } } }
 def test_two_runs_in_one_trainer_and_a_dead_run_ends_alone(tied_server, tmp_path):
     srv, steps = tied_server, 6
     out = srv.root / "rl" / "runs"
-    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=steps, envs=REVERSE_TEXT)
+    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=steps, envs=REVERSE_TEXT, attach=False)
     config.write_text(config.read_text() + RUNS)
     low, high = out / "run_lr-low", out / "run_lr-high"
     log = tmp_path / "rl.log"
     late = out / "run_late"
-    proc = start_rl(config, log=log)
+    proc = start_rl(config, log=log, attach=False)  # several runs share the server: none attaches
     joining = None
     try:
         victim = psutil.Process(started_pid(log, "orchestrator/lr-high"))
