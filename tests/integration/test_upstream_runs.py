@@ -39,7 +39,7 @@ max_inflight = 16
 
 [[orchestrator.train.env]]
 name = "reverse-text"
-env.taskset = { id = "reverse-text" }
+env.taskset = { id = "reverse-text-v1" }  # upstream names the hub's; ours is bundled as reverse-text
 env.agent.harness = { id = "null", runtime = { type = "subprocess" } }
 
 [trainer.optim]

@@ -67,8 +67,9 @@ def test_the_card_round_trips_privately_and_goes_with_its_server(model_dir, tmp_
     )
     assert card.keys == keys and card.weight_broadcast == {"type": "gloo", "host": "127.0.0.1", "port": 29999}
     assert card.weight_roots == [str((tmp_path / "runs").resolve())] and card.max_lora_rank is None
+    path.with_suffix(".lock").touch()  # what an attached run left
     remove_card(path)
-    assert not path.exists()
+    assert not path.exists() and not path.with_suffix(".lock").exists()
 
 
 def test_a_filesystem_server_keeps_no_store_key_on_its_card(model_dir, tmp_path):

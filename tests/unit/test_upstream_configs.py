@@ -253,3 +253,15 @@ def test_our_own_orchestrator_file_with_concurrency_and_both_bounds_loads_unchan
     )
     config, notes = read(path, "orchestrator")
     assert notes == [] and (config.max_async_level, config.max_off_policy_steps) == (1, 3)
+
+
+def test_a_versioned_hub_taskset_that_is_not_installed_runs_the_bundled_one(tmp_path):
+    """Upstream's reverse-text example names the hub's `reverse-text-v1`; here `reverse-text` is bundled. An id that is
+    installed, or has no bundled sibling, is left as it is (and fails to load, naming it, if it is missing)."""
+    path = tmp_path / "rl.toml"
+    envs = '[[orchestrator.train.env]]\nname = "{}"\ntaskset = {{ id = "{}" }}\n'
+    text = "[orchestrator]\nbatch_size = 16\ngroup_size = 4\n" + envs.format("rt", "reverse-text-v1")
+    path.write_text(text + envs.format("other", "no-such-env-v1"))
+    config, notes = read(path, "rl")
+    assert [e.id for e in config.orchestrator.env] == ["reverse-text", "no-such-env-v1"]
+    assert any("taskset `reverse-text-v1` (not installed) -> `reverse-text`" in n for n in notes)

@@ -15,7 +15,10 @@ docs/configuration.md has the table "upstream key -> ours".
 from __future__ import annotations
 
 import copy
+import importlib.util
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prime_rl.config.keys import ConfigError, Key
@@ -215,7 +218,11 @@ def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
         taskset = dict(taskset) if isinstance(taskset, dict) else {"id": taskset}
         if "id" not in taskset:
             raise ConfigError(f"{t.origin}: `{dotted(at)}.taskset` needs an `id`")
-        sub.put(("id",), taskset.pop("id"), ("taskset", "id"))
+        env_id = taskset.pop("id")
+        if isinstance(env_id, str) and (bundled := _bundled_instead(env_id)) is not None:
+            sub.notes.append(f"taskset `{env_id}` (not installed) -> `{bundled}`, the environment bundled here")
+            env_id = bundled
+        sub.put(("id",), env_id, ("taskset", "id"))
         if taskset:
             sub.put(("args",), taskset, ("taskset",))
         sub.notes.append("`taskset.id` -> `id`, its other keys -> `args`" if taskset else "`taskset.id` -> `id`")
@@ -232,6 +239,26 @@ def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
     t.notes.extend(f"`{dotted(at)}`: {note}" for note in sub.notes)
     t.refusals.extend(sub.refusals)
     return sub.data
+
+
+def _taskset_installed(env_id: str) -> bool:
+    """Whether verifiers would find the taskset `env_id` (its name, `-` as `_`, as a package of its own or one it
+    ships), looked up without importing verifiers: loading a config stays fast."""
+    module = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    if importlib.util.find_spec(module) is not None:
+        return True
+    spec = importlib.util.find_spec("verifiers")
+    roots = spec.submodule_search_locations if spec is not None else None
+    return any((Path(root) / "v1" / "tasksets" / module).exists() for root in roots or [])
+
+
+def _bundled_instead(env_id: str) -> str | None:
+    """The environment bundled here for a versioned hub id that is not installed (`reverse-text-v1`, which upstream's
+    reverse-text example names, -> our `reverse-text`); None where the id is installed or has no such sibling."""
+    match = re.fullmatch(r"(?:[\w.-]+/)?([\w.-]+?)-v\d+(?:@.*)?", env_id)
+    if match is None or _taskset_installed(env_id) or not _taskset_installed(match.group(1)):
+        return None
+    return match.group(1)
 
 
 def _select(t: Translator, at: Key, select: Any) -> None:

@@ -126,10 +126,12 @@ def write_card(config, keys: RunKeys) -> Path:
 
 
 def remove_card(path: Path) -> None:
-    """The server is going: its card goes first (only its own: a newer server on the port may have replaced it)."""
+    """The server is going: its card and its lock file go (only its own: a newer server on the port may have replaced
+    them)."""
     try:
         if json.loads(path.read_text())["pid"] == os.getpid():
             path.unlink()
+            path.with_suffix(".lock").unlink(missing_ok=True)
     except (OSError, ValueError, KeyError):
         pass
 
