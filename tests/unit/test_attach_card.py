@@ -177,3 +177,17 @@ def test_a_run_keeps_the_filesystem_or_takes_the_servers_in_memory_store(model_d
     assert broadcast_flags(run(None), files) == ["--weight-broadcast.type", "filesystem"]
     with pytest.raises(SystemExit):
         broadcast_flags(run("gloo"), files)
+
+
+def test_claim_checks_everything_before_it_takes_the_lock(model_dir, tmp_path):
+    from prime_rl.inference.attach import claim
+
+    config = served(model_dir, tmp_path)
+    write_card(config, RunKeys(None, "t"))
+    with pytest.raises(AttachError, match=f"may load weights only under .*, not from {tmp_path / 'elsewhere'}"):
+        claim(config.server, config.model, None, [tmp_path / "elsewhere"])
+    card, lock = claim(config.server, config.model, None, [tmp_path / "runs" / "a"])  # not locked by the refusal
+    assert card.model == str(model_dir)
+    with pytest.raises(AttachError, match="another run is attached"):
+        claim(config.server, config.model, None, [])
+    lock.close()

@@ -192,17 +192,9 @@ def wait_served(config: RolloutsConfig, server: Process) -> None:
 def attach_inference(config: RolloutsConfig, weight_paths: list[Path]):
     """The attachable server on `inference.server.port` (`inference/attach.py`), checked to serve `model.name` and to
     be allowed to load `weight_paths`, reset to its base weights; returns the held attachment lock."""
-    from prime_rl.inference.attach import AttachError, hold, mismatches, outside_roots, read_card, reset
+    from prime_rl.inference.attach import AttachError, claim, reset
 
-    inference = config.inference
-    server, model = inference.server, inference.model
-    card = read_card(server.host, server.port)
-    problems = mismatches(card, model.name, model.dtype, model.max_model_len, None)
-    if outside := outside_roots(card, weight_paths):
-        problems.append(f"it may load weights only under {', '.join(card.weight_roots)}, not {outside[0]}")
-    if problems:
-        raise AttachError(f"the server on port {server.port} cannot serve this run: " + "; ".join(problems))
-    lock = hold(card, server.host, server.port)
+    card, lock = claim(config.inference.server, config.inference.model, None, weight_paths)
     try:
         before = reset(card)
     except AttachError:

@@ -19,11 +19,13 @@ import os
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
-from prime_rl.orchestrator.samples import parse_version
 from prime_rl.utils.fs import write_atomic
+from prime_rl.utils.health import serves_base_weights
+from prime_rl.utils.net import client_host
 from prime_rl.utils.secret import RunKeys
 
 TOKENIZER_FILES = (
@@ -108,7 +110,7 @@ def write_card(config, keys: RunKeys) -> Path:
     broadcast = config.weight_broadcast
     card = ServerCard(
         pid=os.getpid(),
-        url=f"http://{'127.0.0.1' if server.host in ('0.0.0.0', '::') else server.host}:{server.port}",
+        url=f"http://{client_host(server.host)}:{server.port}",
         model=model.name,
         tokenizer=tokenizer_fingerprint(model.name),
         dtype=model.dtype,
@@ -187,7 +189,23 @@ def outside_roots(card: ServerCard, paths: list[Path]) -> list[Path]:
     return [p for p in paths if not any(Path(p).resolve().is_relative_to(r) for r in roots)]
 
 
-def hold(card: ServerCard, host: str, port: int):
+def claim(server, model, lora_rank: int | None, weight_paths: list[Path]) -> tuple[ServerCard, IO]:
+    """The card of the attachable server on `server`'s host and port (an `InferenceConfig.server`), checked to serve
+    `model` (an `InferenceConfig.model`) with adapters of `lora_rank` and to be allowed to load `weight_paths`, and the
+    attachment lock, held. Nothing on the server changes; what does not fit is one `AttachError`."""
+    card = read_card(server.host, server.port)
+    problems = mismatches(card, model.name, model.dtype, model.max_model_len, lora_rank)
+    if outside := outside_roots(card, weight_paths):
+        problems.append(
+            f"it may load weights only under {', '.join(card.weight_roots)}, not from {outside[0]} (start it with "
+            "`--allowed-weight-roots` naming that directory or one above it)"
+        )
+    if problems:
+        raise AttachError(f"the server on port {server.port} cannot serve this run: " + "; ".join(problems))
+    return card, hold(card, server.host, server.port)
+
+
+def hold(card: ServerCard, host: str, port: int) -> IO:
     """The attachment lock (held until the returned file is closed or the process ends); another run holding it is
     an `AttachError`."""
     lock = open(card_path(host, port).with_suffix(".lock"), "a")  # noqa: SIM115 - held for the run's length
@@ -215,7 +233,7 @@ def reset(card: ServerCard) -> str:
             before = state.json()
             for name in before.get("adapters") or {}:
                 client.post("/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
-            if parse_version(before.get("version")) != 0 or before.get("unknown"):  # `base` is policy step 0
+            if not serves_base_weights(before):
                 reply = client.post("/reload_weights", json={})
                 if reply.status_code != 200:
                     raise AttachError(f"resetting the server to its base weights failed: {reply.text[:500]}")

@@ -25,9 +25,8 @@ from loguru import logger
 
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.concurrency import ServerLoad, parse_load
-from prime_rl.orchestrator.samples import parse_version
 from prime_rl.utils import net
-from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, wait_healthy
+from prime_rl.utils.health import HEALTHY, WEIGHTS_UNKNOWN, serves_base_weights, wait_healthy
 from prime_rl.utils.secret import client_token
 
 LOAD_ATTEMPTS = 3
@@ -151,7 +150,7 @@ class InferenceServers:
             state = (await self.admin[url].get("/weights")).json()
         except (httpx.HTTPError, ValueError):
             return False
-        return isinstance(state, dict) and parse_version(state.get("version")) == 0 and not state.get("unknown")
+        return serves_base_weights(state)
 
     async def _load_adapter_on(self, url: str, step: int) -> float:
         """Adapter mode: serve `pi_step` under our adapter name (step 0: requests use the base model, and our adapter,

@@ -1,9 +1,10 @@
 """`rl --attach`: the run uses a server that outlives it (`inference --server.attachable`, `inference/attach.py`).
 
 Before anything starts: the server's card is read and checked against the run's `[inference]` section (model,
-tokenizer, dtype, context length, adapters), the attachment lock is taken, the config is loaded again with the
-server's in-memory weight-broadcast settings (its store's type, host and port: the server was started with them)
-unless the run sends weights by the filesystem, and the server is reset to the base weights. The run's keys are the server's: its token, and its store key for the trainer's store.
+tokenizer, dtype, context length, adapters, its output dir under the server's weight roots), the attachment lock is
+taken, the config is loaded again with the server's in-memory weight-broadcast settings (its store's type, host and
+port: the server was started with them) unless the run sends weights by the filesystem, and the server is reset to
+the base weights. The run's keys are the server's: its token, and its store key for the trainer's store.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from typing import IO
 
 from prime_rl.config.loader import load_config
-from prime_rl.inference.attach import AttachError, ServerCard, hold, mismatches, outside_roots, read_card, reset
+from prime_rl.inference.attach import AttachError, ServerCard, claim, reset
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.preflight import fail
 from prime_rl.utils.secret import RunKeys
@@ -42,23 +43,12 @@ def attach_server(config: RLConfig, argv: list[str] | None) -> tuple[RLConfig, R
         fail("--attach needs the `[inference]` section: the port of the server and what it must serve")
     if not config.deployment.single_host or config.runs:
         fail("--attach serves one run on one host (no `[deployment]` over several hosts, no `[[runs]]`)")
-    server, model = inference.server, inference.model
+    rank = inference.lora.max_lora_rank if inference.lora is not None else None
     try:
-        card = read_card(server.host, server.port)
-        rank = inference.lora.max_lora_rank if inference.lora is not None else None
-        problems = mismatches(card, model.name, model.dtype, model.max_model_len, rank)
-        if problems:
-            raise AttachError(f"the server on port {server.port} cannot serve this run: " + "; ".join(problems))
-        lock = hold(card, server.host, server.port)
+        card, lock = claim(inference.server, inference.model, rank, [config.output_dir])
     except AttachError as e:
         fail(f"--attach: {e}")
     config, _ = load_config(RLConfig, "rl", [*(sys.argv[1:] if argv is None else argv), *broadcast_flags(config, card)])
-    if outside := outside_roots(card, [config.output_dir]):
-        lock.close()
-        fail(
-            f"--attach: the server may load weights only under {', '.join(card.weight_roots)}, not from {outside[0]}: "
-            "start it with `--allowed-weight-roots` naming this run's output_dir (or a directory above it)"
-        )
     try:
         before = reset(card)
     except AttachError as e:

@@ -29,7 +29,7 @@ from prime_rl.inference.config import LoRAConfig as ServedLoRAConfig
 from prime_rl.orchestrator.config import AdapterConfig, OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.monitor_config import WandbConfig
-from prime_rl.utils.net import free_port
+from prime_rl.utils.net import client_host, free_port
 
 API_KEY_VAR = "PRIME_RL_INFERENCE_API_KEY"
 """The `client.api_key_var` of the orchestrators `rl` starts: `rl` hands them the servers' token on stdin, and their
@@ -448,11 +448,6 @@ class RLConfig(EntrypointConfig):
             raise ValueError(
                 "trainer.weight_broadcast and inference.weight_broadcast disagree; use the shared `weight_broadcast`"
             )
-
-
-def client_host(host: str) -> str:
-    """Where this host reaches a server bound to `host`: a wildcard bind is reached on loopback."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def _share(section, field: str, value, section_name: str, shared_name: str) -> None:

@@ -19,10 +19,11 @@ import httpx
 from loguru import logger
 
 from prime_rl.orchestrator.config import OrchestratorConfig
-from prime_rl.rl.config import RLConfig, client_host
+from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag
 from prime_rl.rl.processes import build_processes
 from prime_rl.utils.health import HEALTHY, health_state
+from prime_rl.utils.net import client_host
 from prime_rl.utils.processes import Process, stop_all
 from prime_rl.utils.secret import RunKeys
 

@@ -35,6 +35,12 @@ def health_state(response: httpx.Response | None, weights: httpx.Response | None
     return DOWN
 
 
+def serves_base_weights(weights: object) -> bool:
+    """Whether a server's `GET /weights` answer says it serves its base weights, known (as a fresh server does):
+    version `base`, the label `/reload_weights` gives them (`inference/swapper.py`)."""
+    return isinstance(weights, dict) and weights.get("version") == "base" and not weights.get("unknown")
+
+
 async def probe(client: httpx.AsyncClient, url: str) -> str:
     try:
         health = await client.get(f"{url}/health", timeout=5)

@@ -37,6 +37,11 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def client_host(host: str) -> str:
+    """Where this host reaches a server bound to `host`: a wildcard bind is reached on loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` itself names loopback (a hostname, "", "0.0.0.0" or "::" does not: others may reach them)."""
     if host == "localhost":
