@@ -15,6 +15,7 @@ docs/configuration.md has the table "upstream key -> ours".
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import re
 from collections.abc import Callable
@@ -52,7 +53,11 @@ class Translator:
         self.origin = origin
         self.notes: list[str] = []
         self.refusals: list[str] = []
-        self.layout_2026 = _is_2026_layout(self.data)  # a few keys mean other things in the two generations
+
+    @functools.cached_property
+    def layout_2026(self) -> bool:
+        """Whether the file is in the 2026 generation's layout: a few keys mean other things in the two."""
+        return _is_2026_layout(self.data)
 
     def get(self, path: Key) -> Any:
         node: Any = self.data
