@@ -43,6 +43,19 @@ def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def interrupt_after_step_1(proc: subprocess.Popen, out: Path, log: Path, names: tuple[str, ...]) -> list[int]:
+    """Ctrl-C to `rl` once its trainer finished step 1: it must exit 130; returns the pids of `names` (the processes
+    it started) still alive 30 s later."""
+    pids = [started_pid(out / "logs" / "rl.log", name) for name in names]
+    deadline = time.monotonic() + 600
+    while not run_metrics(out, "trainer") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert run_metrics(out, "trainer"), log.read_text()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(120) == 130, log.read_text()[-3000:]
+    return wait_gone(pids)
+
+
 def admin(srv, route: str, body: dict) -> httpx.Response:
     return httpx.post(f"{srv.url}/{route}", json=body, headers=srv.headers, timeout=120)
 
@@ -108,14 +121,7 @@ def test_eval_and_rl_attach_reset_train_and_leave_the_server_running(tied_server
     out = srv.root / "rl" / "attached-interrupted"
     log = tmp_path / "interrupted.out"
     proc = rl("@", str(attach_config(tmp_path / "rl3.toml", srv, out, 500)), "--attach", log=log)
-    pids = [started_pid(out / "logs" / "rl.log", name) for name in ("orchestrator", "trainer")]
-    deadline = time.monotonic() + 300
-    while not run_metrics(out, "trainer") and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert run_metrics(out, "trainer"), log.read_text()[-3000:]
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(120) == 130, log.read_text()[-3000:]
-    assert wait_gone(pids) == []
+    assert interrupt_after_step_1(proc, out, log, ("orchestrator", "trainer")) == []
     assert alive(srv.proc.pid) and httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
     hold(read_card("127.0.0.1", srv.port), "127.0.0.1", srv.port).close()  # the attachment was let go
     assert admin(srv, "reload_weights", {}).status_code == 200  # the next test finds the base weights
@@ -131,13 +137,6 @@ def test_a_run_stops_the_server_it_started_on_ctrl_c(tied_server, tmp_path):
     config = write_rl_config(tmp_path / "rl.toml", srv.base, out, 0, 500, top=inference, bottom=REVERSE_TEXT)
     log = tmp_path / "rl.out"
     proc = rl("@", str(config), log=log)
-    pids = [started_pid(out / "logs" / "rl.log", name) for name in ("inference", "orchestrator", "trainer")]
-    deadline = time.monotonic() + 600
-    while not run_metrics(out, "trainer") and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-    assert run_metrics(out, "trainer"), log.read_text()[-3000:]
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(120) == 130, log.read_text()[-3000:]
-    assert wait_gone(pids) == []
+    assert interrupt_after_step_1(proc, out, log, ("inference", "orchestrator", "trainer")) == []
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
