@@ -9,8 +9,9 @@ per phase and per process.
     uv run python benchmarks/bench_startup.py --model outputs/models/smollm2-135m-instruct \
         --config configs/arithmetic/smollm2-135m/rl.toml --runs 3          # after `uv run fetch-model ...`
 
-Each run starts the real command from the environment's bin/ (`rl @ configs/reverse_text/rl.toml --max-steps 1`
-with `--model.name` the model under test, `eval` as the demo's on 8 tasks, `inference` until
+Each run starts the real command from the environment's bin/ (`rl @ configs/reverse_text/rl.toml --max-steps 3`
+with `--model.name` the model under test; `--steps`: its last row, start-up, is the end of step 1 less one steady step,
+as `bench_vs_trl.py` counts it), `eval` as the demo's on 8 tasks, `inference` until
 its /health answers) and follows every process's log as it is written: a line's time is when it appeared (polled
 every 20 ms), whatever resolution the log's own timestamps have. The phases are the first line matching each
 pattern in `PHASES`, as seconds since the command was started. `--cold` gives each run an empty bytecode cache
@@ -135,9 +136,27 @@ def cold_env(scratch: Path, compiled: bool) -> dict[str, str]:
     return env if compiled else {**env, "PYTHONPYCACHEPREFIX": str(scratch / "pycache")}
 
 
-def command(what: str, model: Path, out: Path, attach: bool, rl_config: Path = DEMO_CONFIG) -> list[str]:
+def step_phases(steps: int) -> list[Phase]:
+    """The trainer's steps 2..steps: the steady step that `STARTUP` takes off step 1's end."""
+    return [Phase("trainer", f"trainer: step {n} done", rf"\| step {n} \|") for n in range(2, steps + 1)]
+
+
+STARTUP = "start-up before step 1 (step 1 done less one steady step)"
+"""As `bench_vs_trl.py` counts it: the end of step 1 less the median of the later steps' spacing."""
+
+
+def startup(seen: dict[str, float], steps: int) -> float | None:
+    ends = [seen.get(f"trainer: step {n} done") for n in range(1, steps + 1)]
+    if steps < 2 or None in ends:
+        return None
+    return ends[0] - statistics.median(b - a for a, b in zip(ends[:-1], ends[1:], strict=True))
+
+
+def command(
+    what: str, model: Path, out: Path, attach: bool, rl_config: Path = DEMO_CONFIG, steps: int = 1
+) -> list[str]:
     if what == "rl":
-        cmd = [str(BIN / "rl"), "@", str(rl_config), "--max-steps", "1"]
+        cmd = [str(BIN / "rl"), "@", str(rl_config), "--max-steps", str(steps)]
         cmd += ["--model.name", str(model), "--output-dir", str(out), "--no-orchestrator.eval"]
         cmd += ["--inference.server.port", str(PORT)]
         return cmd + (["--attach"] if attach else [])
@@ -162,17 +181,17 @@ def healthy(port: int) -> bool:
 
 
 def run_once(
-    what: str, model: Path, cold: bool, compiled: bool, attach: bool, timeout: float, rl_config: Path
+    what: str, model: Path, cold: bool, compiled: bool, attach: bool, timeout: float, rl_config: Path, steps: int
 ) -> tuple[dict[str, float], float]:
     """One timed start: {phase label: seconds since the command}, and the command's total wall time."""
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         out = Path(tmp) / "out"
         (out / "logs").mkdir(parents=True)
         env = {**os.environ, **(cold_env(Path(tmp) / "caches", compiled) if cold else {})}
-        follower = LogFollower(out / "logs", PHASES[what])
+        follower = LogFollower(out / "logs", PHASES[what] + (step_phases(steps) if what == "rl" else []))
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            command(what, model, out, attach, rl_config), cwd=ROOT, env=env, start_new_session=True,
+            command(what, model, out, attach, rl_config, steps), cwd=ROOT, env=env, start_new_session=True,
             stdout=open(out / "console.out", "w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -218,8 +237,11 @@ def start_server(model: Path) -> subprocess.Popen:
     return proc
 
 
-def table(what: str, runs: list[tuple[dict[str, float], float]]) -> str:
+def table(what: str, runs: list[tuple[dict[str, float], float]], steps: int) -> str:
     labels = [p.label for p in PHASES[what]] + (["inference: healthy"] if what == "inference" else [])
+    if what == "rl" and steps > 1:
+        labels += [p.label for p in step_phases(steps)] + [STARTUP]
+        runs = [({**seen, STARTUP: startup(seen, steps)}, total) for seen, total in runs]
     rows = [
         "| phase (seconds since the command) | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median |"
     ]
@@ -242,6 +264,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="empty bytecode, vLLM and compile caches per run")
     parser.add_argument("--compiled", action="store_true", help="with --cold: keep the installed bytecode")
     parser.add_argument("--attach", action="store_true", help="rl/eval attach to one server started beforehand")
+    parser.add_argument("--steps", type=int, default=3, help="rl: steps to run (2+: the start-up row)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="held for all the runs")
     args = parser.parse_args()
@@ -254,7 +277,9 @@ def main() -> None:
     try:
         runs = []
         for i in range(args.runs):
-            run = run_once(args.what, args.model, args.cold, args.compiled, args.attach, args.timeout, args.config)
+            run = run_once(
+                args.what, args.model, args.cold, args.compiled, args.attach, args.timeout, args.config, args.steps
+            )
             runs.append(run)
             print(f"run {i + 1}: {runs[-1][1]:.1f}s", flush=True)
     finally:
@@ -265,7 +290,7 @@ def main() -> None:
         ", attached" if args.attach else ""
     )
     print(f"\n{args.what}, {args.model.name}, {mode}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}\n")
-    print(table(args.what, runs))
+    print(table(args.what, runs, args.steps))
 
 
 if __name__ == "__main__":

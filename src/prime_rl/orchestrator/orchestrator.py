@@ -308,6 +308,11 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         bench = config.bench is not None
         max_steps = config.bench.steps if bench else config.max_steps
         bench_rows: list[dict] = []
+        # Workers load their environments and renderers while the servers start: none of it needs a server.
+        await workers.ready()
+        logger.info(f"{config.workers} rollout worker(s) ready" if config.workers else "rollouts run in this process")
+        frozen = freeze_setup_objects()
+        logger.debug(f"{frozen} objects of set-up frozen: no collection walks them again (utils/gc_tuning.py)")
         await servers.wait_healthy()
         if bench:
             logger.info(f"bench: {max_steps} steps on the weights the servers serve now; no batches, no checkpoints")
@@ -315,10 +320,6 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             # A fresh run starts from base weights even on a server reused from an earlier run.
             seconds = await servers.load_policy(progress.step)
             logger.info(f"inference servers serve policy step {progress.step} ({seconds:.2f}s)")
-        await workers.ready()
-        logger.info(f"{config.workers} rollout worker(s) ready" if config.workers else "rollouts run in this process")
-        frozen = freeze_setup_objects()
-        logger.debug(f"{frozen} objects of set-up frozen: no collection walks them again (utils/gc_tuning.py)")
         evals = None
         if config.eval is not None and bench:
             logger.info("bench: online evals off (the table measures training rollouts alone)")

@@ -9,6 +9,7 @@ console follows the orchestrators' and trainer's step lines and warnings (`follo
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -22,6 +23,7 @@ from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag
 from prime_rl.rl.processes import build_processes
+from prime_rl.utils.affinity import set_group_affinity, side_cpus
 from prime_rl.utils.health import HEALTHY, health_state
 from prime_rl.utils.net import client_host
 from prime_rl.utils.processes import Process, stop_all
@@ -116,10 +118,13 @@ def launch(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for p in finishers:
-            p.start()
-        follower.start()
         url = inference_url(config) if inference is not None else None
+        all_cpus = os.sched_getaffinity(0)
+        # While our server starts, the others keep to their own CPUs: its start is what step 1 waits for.
+        side = side_cpus(all_cpus) if url is not None else None
+        for p in finishers:
+            p.start(side)
+        follower.start()
         if url is not None:
             logger.info(f"waiting for inference at {url} (at most {config.inference_timeout:.0f}s, inference_timeout)")
         while True:
@@ -130,6 +135,10 @@ def launch(
                 if probe_health(url):
                     logger.info(f"inference is healthy ({waited:.0f}s after it started)")
                     url = None
+                    if side is not None:
+                        for p in finishers:
+                            set_group_affinity(p.proc.pid, all_cpus)
+                        logger.debug(f"{', '.join(p.name for p in finishers)} run on every CPU again")
                 elif waited > config.inference_timeout:
                     raise RuntimeError(f"inference not healthy after {waited:.0f}s:\n{inference.tail()}")
             stopping = False
@@ -160,7 +169,7 @@ def launch(
                 stop_follower()
                 logger.success(f"run finished: {' and '.join(p.name for p in finishers)} completed (output in {out})")
                 return 0
-            time.sleep(0.5)
+            time.sleep(0.5 if url is None else 0.1)  # quick while the server starts: the others wait on it
     except KeyboardInterrupt:
         logger.warning("interrupted: stopping every process")
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -22,6 +23,13 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def prepare_child(cpus: set[int] | None) -> None:
+    """Run in a `Process`'s child before its command: death with the parent, and its CPUs when given."""
+    die_with_parent()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 LAUNCHER_VAR = "PRIME_RL_LAUNCHER_PID"
@@ -89,7 +97,8 @@ class Process:
         self.started_at = 0.0
         """`time.monotonic()` when it was started."""
 
-    def start(self) -> None:
+    def start(self, cpus: set[int] | None = None) -> None:
+        """`cpus`: the CPUs it (and all it starts) may use until told otherwise (`utils.affinity`); None: all."""
         self.started_at = time.monotonic()
         env = {**self.env, LAUNCHER_VAR: str(os.getpid())}
         if self.keys is not None:
@@ -102,7 +111,7 @@ class Process:
                 stdin=subprocess.DEVNULL if self.keys is None else subprocess.PIPE,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=functools.partial(prepare_child, cpus),
             )
         if self.keys is not None:  # one short line: the pipe's buffer holds it (a child that died at once: no reader)
             with contextlib.suppress(BrokenPipeError):
