@@ -1,8 +1,11 @@
 """A config in upstream prime-rl's layout runs here as it is, with only the model pointed at a local one: the current
 one-file layout (`group_size`, `[[orchestrator.train.env]]` with a taskset and a null harness, an empty `[ckpt]`,
-`[orchestrator.renderer]`, `[orchestrator.concurrency]`) and the earlier split set (`rl --trainer @ --orchestrator @ --inference @`). Each run
-starts its own server, as `rl` does for the user. The test adds what isolates it: a free port, 3 steps, W&B offline."""
+`[orchestrator.renderer]`, `[orchestrator.concurrency]`) and the earlier split set (`rl --trainer @ --orchestrator @ --inference @`). Both
+attach to the session's server (`rl --attach`, as a user who brings a config to debug it on a laptop does; each run
+starting its own cost ~2 server starts of CI time). The test adds what isolates it: 3 steps, W&B offline, an output
+dir under the server's weight roots, and the server's port and context length."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_rl import orchestrator_metrics, trainer_steps
 
-from prime_rl.utils.net import free_port
+from prime_rl.utils.secret import SECRET_VAR
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +68,19 @@ EARLIER = {
 }
 
 
-def run_rl(args: list[str], out: Path, model: Path) -> subprocess.CompletedProcess:
-    isolation = ["--model.name", str(model), "--max-steps", "3", "--output-dir", str(out),
-                 "--inference.server.port", str(free_port())]  # fmt: skip
-    return subprocess.run([RL, *args, *isolation], capture_output=True, text=True, timeout=600)
+def run_rl(args: list[str], out: Path, srv) -> subprocess.CompletedProcess:
+    """`rl` attached to the shared server `srv`, with the keys its card holds (none of the environment's)."""
+    isolation = ["--attach", "--model.name", str(srv.base), "--max-steps", "3", "--output-dir", str(out),
+                 "--inference.server.port", str(srv.port), "--inference.model.max-model-len", "512"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != SECRET_VAR}
+    return subprocess.run([RL, *args, *isolation], capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_upstream_layouts_run_three_steps_with_only_the_model_pointed_at_a_local_one(tied_server, tmp_path):
-    model = tied_server.base  # a local tiny model directory; the server itself is not used
+    runs = tied_server.root / "upstream"  # the server loads our policies from under its weight roots
     (tmp_path / "rl.toml").write_text(CURRENT)
-    out = tmp_path / "current"
-    proc = run_rl(["@", str(tmp_path / "rl.toml"), "--wandb.offline"], out, model)
+    out = runs / "current"
+    proc = run_rl(["@", str(tmp_path / "rl.toml"), "--wandb.offline"], out, tied_server)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is in upstream prime-rl's spelling, read as:" in proc.stderr
     assert trainer_steps(out) == [1, 2, 3]
@@ -88,8 +93,8 @@ def test_upstream_layouts_run_three_steps_with_only_the_model_pointed_at_a_local
         (tmp_path / name).write_text(text)
     split = ["--trainer", "@", str(tmp_path / "train.toml"), "--orchestrator", "@", str(tmp_path / "orch.toml"),
              "--inference", "@", str(tmp_path / "infer.toml")]  # fmt: skip
-    out = tmp_path / "earlier"
-    proc = run_rl(split, out, model)
+    out = runs / "earlier"
+    proc = run_rl(split, out, tied_server)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--model.name overrides `trainer.model.name`" in proc.stderr
     assert trainer_steps(out) == [1, 2, 3]
