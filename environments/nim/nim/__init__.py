@@ -13,6 +13,11 @@ metrics `moves` (valid moves made in the game) and `forfeited` (this seat forfei
 self-play of one policy. The game can end before the second seat moves (the first takes a whole pile of at most
 `max_take` sticks, or forfeits its first move); the second seat's trace then has no model call, and its reward.
 
+With the env arg `opponent` ("random" or "optimal") the policy plays one seat (`policy_seat`: "first", "second",
+or "alternate" by task index) and a scripted player the other, in this process with no model call. The scripted
+seat has no interaction, so the episode holds only the policy's trace (nothing of the scripted seat to train on);
+it adds the metric `win_as_<seat>`, so an eval's per-metric averages are the win rate per seat.
+
 Exports (`__all__`): `NimTaskset` (taskset id `nim`), `NimEnv` (the taskset's env), and `NimHarness`, the
 in-process chat harness both seats use unless a role pins another (harness id `nim`).
 """
@@ -20,9 +25,11 @@ in-process chat harness both seats use unless a role pins another (harness id `n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 import verifiers.v1 as vf
@@ -135,6 +142,29 @@ class NimGame:
         }
 
 
+def random_move(left: int, max_take: int, rng: random.Random) -> int:
+    """A uniformly random legal move."""
+    return rng.randint(1, min(max_take, left))
+
+
+def optimal_move(left: int, max_take: int, rng: random.Random) -> int:
+    """Leave the opponent a multiple of max_take + 1 (a lost position) when possible. From a lost position every
+    move loses against perfect play; a random legal one (not always 1) makes the policy show it knows the winning
+    reply to each of them, instead of learning one fixed line of play."""
+    return left % (max_take + 1) or random_move(left, max_take, rng)
+
+
+OPPONENTS = {"random": random_move, "optimal": optimal_move}
+"""The scripted players: (sticks left, max_take, rng) -> a legal move."""
+
+
+def policy_seat_of(policy_seat: str, idx: int | None) -> str:
+    """The seat the policy plays: "first", "second", or by task index for "alternate" (even: first)."""
+    if policy_seat == "alternate":
+        return SEATS[(idx or 0) % 2]
+    return policy_seat
+
+
 def seat_reward(record: dict, seat: str) -> float:
     """1.0 for the winner, 0.0 for the loser, 0.5 each when nobody won (the game was stopped by the move cap)."""
     if record["winner"] is None:
@@ -198,6 +228,12 @@ class NimEnvConfig(vf.EnvConfig):
     max_moves: int | None = Field(None, ge=1)
     """Stop the game after this many moves (None: play to the end, at most `sticks` moves); a stopped game has
     no winner and scores 0.5 for each seat."""
+    opponent: Literal["random", "optimal"] | None = None
+    """None: self-play (both seats are the policy). "random": the other seat is a scripted player taking a uniformly
+    random legal move; "optimal": one playing perfectly (`optimal_move`). The scripted seat has no trace."""
+    policy_seat: Literal["first", "second", "alternate"] = "alternate"
+    """With an `opponent`: the policy's seat; "alternate" plays first on even task indices and second on odd ones,
+    so an eval over many tasks measures both seats (and all rollouts of one task share a seat)."""
 
 
 class NimEnv(vf.Env[NimEnvConfig]):
@@ -211,31 +247,47 @@ class NimEnv(vf.Env[NimEnvConfig]):
         game = NimGame(task.data.sticks, task.data.max_take)
         # The seats are prompt-less: the env, as each seat's user, speaks every turn, the opening one included.
         seat_task = type(task)(task.data.model_copy(update={"prompt": None}), task.config)
-        cap = self.config.max_moves
-        # Both interactions open up front, so each seat has a trace even if the game ends before it moves.
-        async with agents.first.interaction(seat_task) as first, agents.second.interaction(seat_task) as second:
-            seats = {"first": first, "second": second}
+        cap, opponent = self.config.max_moves, self.config.opponent
+        policy_seats = SEATS if opponent is None else (policy_seat_of(self.config.policy_seat, task.data.idx),)
+        scripted, rng = OPPONENTS.get(opponent), random.Random()
+        async with contextlib.AsyncExitStack() as stack:
+            # The policy's interactions open up front, so each policy seat has a trace even if the game ends before
+            # it moves; a scripted seat moves here, with no interaction.
+            seats = {
+                seat: await stack.enter_async_context(getattr(agents, seat).interaction(seat_task))
+                for seat in policy_seats
+            }
             while not game.over and (cap is None or len(game.moves) < cap):
-                message = turn_message(game.left, game.max_take, game.last_take)
-                segment = await seats[game.to_move].turn(message)
+                if game.to_move not in seats:
+                    game.play(str(scripted(game.left, game.max_take, rng)))
+                    continue
+                segment = await seats[game.to_move].turn(turn_message(game.left, game.max_take, game.last_take))
                 game.play(None if segment.terminated else segment.last_reply)
+            against = {} if opponent is None else {"opponent": opponent, "policy_seat": policy_seats[0]}
             for interaction in seats.values():
-                interaction.trace.info["nim"] = game.record()
+                interaction.trace.info["nim"] = game.record() | against
 
     async def finalize(self, task: NimTask, episode: vf.Episode) -> None:
+        opponent = self.config.opponent
+        seats = SEATS if opponent is None else (policy_seat_of(self.config.policy_seat, task.data.idx),)
         by_seat = episode.by_agent
-        if sorted(by_seat) != sorted(SEATS) or any(len(traces) != 1 for traces in by_seat.values()):
+        if sorted(by_seat) != sorted(seats) or any(len(traces) != 1 for traces in by_seat.values()):
             found = {name: len(traces) for name, traces in by_seat.items()}
-            raise ValueError(f"nim needs exactly one trace per seat {list(SEATS)}; got {found}")
-        records = [by_seat[seat][0].info.get("nim") for seat in SEATS]
-        if records[0] is None or records[0] != records[1]:
+            raise ValueError(f"nim needs exactly one trace per policy seat {list(seats)}; got {found}")
+        records = [by_seat[seat][0].info.get("nim") for seat in seats]
+        if records[0] is None or any(record != records[0] for record in records):
             raise ValueError("the seats' traces do not carry the same game record (info['nim'])")
         record = records[0]
         moves = float(sum(move["take"] is not None for move in record["moves"]))
-        for seat in SEATS:
+        for seat in seats:
             trace = by_seat[seat][0]
-            trace.record_reward("win", seat_reward(record, seat))
+            win = seat_reward(record, seat)
+            trace.record_reward("win", win)
             trace.record_metrics({"moves": moves, "forfeited": float(record["forfeited"] == seat)})
+            if opponent is not None:
+                # Only on the episodes where the policy held this seat: averaged over the traces carrying it (as eval
+                # and the orchestrator average metrics), `win_as_first` is the win rate as the first seat.
+                trace.record_metric(f"win_as_{seat}", win)
 
 
 # --- the harness ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 import asyncio
+import random
 import re
 
 import env_testkit as kit
@@ -14,7 +15,10 @@ from nim import (
     NimTask,
     NimTaskset,
     legal_move,
+    optimal_move,
     parse_move,
+    policy_seat_of,
+    random_move,
     rules,
     seat_reward,
     turn_message,
@@ -135,6 +139,53 @@ def test_seat_reward():
     assert (seat_reward(drawn, "first"), seat_reward(drawn, "second")) == (0.5, 0.5)
 
 
+def play_scripted(sticks: int, max_take: int, first, second, rng: random.Random) -> NimGame:
+    game = NimGame(sticks, max_take)
+    players = {"first": first, "second": second}
+    while not game.over:
+        assert game.play(str(players[game.to_move](game.left, game.max_take, rng))) is not None  # always legal
+    return game
+
+
+def test_scripted_moves_are_legal_and_optimal_takes_the_winning_move():
+    rng = random.Random(0)
+    for max_take in (1, 2, 3, 5):
+        for left in range(1, 25):
+            takes = {random_move(left, max_take, rng) for _ in range(60)}
+            assert takes == set(range(1, min(max_take, left) + 1))  # uniform over every legal move
+            best = {optimal_move(left, max_take, rng) for _ in range(60)}
+            if left % (max_take + 1):
+                assert best == {left % (max_take + 1)}  # leaves the opponent a multiple of max_take + 1
+            else:
+                assert best == takes  # a lost position: any legal move, at random
+
+
+@pytest.mark.parametrize("max_take", [1, 2, 3, 4])
+def test_optimal_never_loses_a_winning_position(max_take):
+    rng = random.Random(max_take)
+    for sticks in range(1, 30):
+        first_wins = sticks % (max_take + 1) != 0
+        for _ in range(20):
+            as_first = play_scripted(sticks, max_take, optimal_move, random_move, rng)
+            as_second = play_scripted(sticks, max_take, random_move, optimal_move, rng)
+            both = play_scripted(sticks, max_take, optimal_move, optimal_move, rng)
+            if first_wins:
+                assert as_first.winner == both.winner == "first"
+            else:
+                assert as_second.winner == both.winner == "second"
+
+
+def test_policy_seat_of():
+    assert [policy_seat_of("alternate", idx) for idx in (0, 1, 2, 7, None)] == [
+        "first",
+        "second",
+        "first",
+        "second",
+        "first",
+    ]
+    assert policy_seat_of("first", 1) == "first" and policy_seat_of("second", 0) == "second"
+
+
 # --- taskset and config -----------------------------------------------------------------------------------------
 
 
@@ -168,6 +219,7 @@ def test_env_config_with_only_the_taskset():
         3,
     )
     assert config.max_moves is None
+    assert (config.opponent, config.policy_seat) == (None, "alternate")
     for seat in (config.first, config.second):
         assert seat.harness is None  # unpinned: the taskset's harness plays
         assert seat.runtime.type == "subprocess"
@@ -215,6 +267,14 @@ def test_env_config_refuses_the_single_agent_seat():
         vf.resolve_env_config({"taskset": {"id": "nim"}, "agent": {"max_turns": 3}})
     with pytest.raises(ValueError):
         vf.resolve_env_config({"taskset": {"id": "nim"}, "max_moves": 0})
+    for bad in ({"opponent": "perfect"}, {"opponent": "random", "policy_seat": "third"}):
+        with pytest.raises(ValueError):
+            vf.resolve_env_config({"taskset": {"id": "nim"}, **bad})
+
+
+def test_env_config_with_an_opponent():
+    config = vf.resolve_env_config({"taskset": {"id": "nim"}, "opponent": "optimal", "policy_seat": "second"})
+    assert type(config) is NimEnvConfig and (config.opponent, config.policy_seat) == ("optimal", "second")
 
 
 # --- episodes ---------------------------------------------------------------------------------------------------
@@ -404,3 +464,93 @@ def test_episodes_from_the_taskset_follow_the_theory(monkeypatch):
         first_wins = episode.task.data.sticks % 4 != 0
         assert (first.reward, second.reward) == ((1.0, 0.0) if first_wins else (0.0, 1.0))
         assert first.metrics["forfeited"] == second.metrics["forfeited"] == 0.0
+
+
+# --- against a scripted opponent --------------------------------------------------------------------------------
+
+
+def policy_moves(trace: vf.Trace) -> list[int]:
+    return [m["take"] for m in trace.info["nim"]["moves"] if m["seat"] == trace.agent.name]
+
+
+@pytest.mark.parametrize("opponent", ["random", "optimal"])
+@pytest.mark.parametrize(("seat", "sticks"), [("first", 7), ("second", 8)])
+def test_episode_against_an_opponent_in_a_winning_position(monkeypatch, opponent, seat, sticks):
+    """An optimal policy in a winning position (first on 7, second on 8) beats either scripted player; only the
+    policy's seat has a trace, and every model call is the policy's."""
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    (episode,), requests = run(optimal, [make_task(sticks)], opponent=opponent, policy_seat=seat)
+    assert episode.ok, episode.errors
+    (trace,) = episode.traces
+    assert (trace.agent.name, trace.agent.trainable, trace.ok) == (seat, True, True)
+    record = trace.info["nim"]
+    assert (record["opponent"], record["policy_seat"], record["winner"], record["forfeited"]) == (
+        opponent,
+        seat,
+        seat,
+        None,
+    )
+    assert [m["seat"] for m in record["moves"]] == [("first", "second")[i % 2] for i in range(len(record["moves"]))]
+    assert all(m["take"] is not None for m in record["moves"])  # the scripted seat always moves legally
+    assert len(requests) == len(policy_moves(trace)) == trace.num_turns
+    assert trace.reward == trace.rewards["win"].score == 1.0
+    assert trace.metrics == {"moves": float(len(record["moves"])), "forfeited": 0.0, f"win_as_{seat}": 1.0}
+    if seat == "second":
+        assert trace.messages[1].content.startswith("Your opponent took ")
+        assert requests[0]["messages"][-1]["content"] == trace.messages[1].content
+
+
+@pytest.mark.parametrize(("seat", "sticks"), [("first", 8), ("second", 7)])
+def test_the_optimal_opponent_wins_from_a_winning_position(monkeypatch, seat, sticks):
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    (episode,), _ = run(optimal, [make_task(sticks)], opponent="optimal", policy_seat=seat)
+    (trace,) = episode.traces
+    assert episode.ok and trace.info["nim"]["winner"] != seat
+    assert (trace.reward, trace.metrics[f"win_as_{seat}"], trace.metrics["forfeited"]) == (0.0, 0.0, 0.0)
+
+
+def test_the_opponent_takes_the_whole_pile_before_the_policy_moves(monkeypatch):
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    (episode,), requests = run(optimal, [make_task(3)], opponent="optimal", policy_seat="second")
+    assert episode.ok, episode.errors
+    assert requests == []
+    (trace,) = episode.traces
+    assert_never_acted(trace)
+    assert trace.info["nim"]["moves"] == [{"seat": "first", "reply": "3", "take": 3, "left": 0}]
+    assert (trace.reward, trace.metrics) == (0.0, {"moves": 1.0, "forfeited": 0.0, "win_as_second": 0.0})
+
+
+def test_the_policy_forfeits_against_an_opponent(monkeypatch):
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    (episode,), _ = run(replies("4"), [make_task(7)], opponent="random", policy_seat="first")
+    (trace,) = episode.traces
+    assert (trace.reward, trace.metrics) == (0.0, {"moves": 0.0, "forfeited": 1.0, "win_as_first": 0.0})
+
+
+def test_alternating_seats_give_per_seat_win_rates_with_nothing_of_the_opponent_trained(monkeypatch):
+    """Over a taskset the policy alternates seats by task index; the scripted seat yields no rollout for the
+    orchestrator, and eval's per-metric means are the win rates per seat."""
+    from prime_rl.eval.eval import summarize
+    from prime_rl.orchestrator.results import episode_results
+
+    monkeypatch.setenv(API_KEY_VAR, "sk-test")
+    taskset = {"id": "nim", "num_tasks": 8, "max_sticks": 12, "seed": 3}
+    episodes, _ = run(optimal, lambda env: list(env.taskset), taskset=taskset, opponent="optimal")
+    records = []
+    for episode in episodes:
+        assert episode.ok, episode.errors
+        (result,) = episode_results(episode, 0.0)  # one rollout: the policy's seat only
+        seat = ("first", "second")[episode.task.data.idx % 2]
+        assert result.seat == seat and result.samples == [] and result.error is None
+        sticks = episode.task.data.sticks
+        assert result.reward == float((sticks % 4 != 0) == (seat == "first"))  # optimal vs optimal: the theory
+        records.append(
+            {"seat": seat, "example_id": episode.task.data.idx, "error": None, "reward": result.reward}
+            | {"metrics": result.metrics, "prompt_tokens": 0, "completion_tokens": 0, "seconds": 0.0}
+        )
+    summary = summarize(records, 1, 1.0)
+    firsts = [r["reward"] for r in records if r["seat"] == "first"]
+    seconds = [r["reward"] for r in records if r["seat"] == "second"]
+    assert summary["metrics"]["win_as_first"] == pytest.approx(sum(firsts) / len(firsts))
+    assert summary["metrics"]["win_as_second"] == pytest.approx(sum(seconds) / len(seconds))
+    assert summary["seats"]["first"]["reward_mean"] == summary["metrics"]["win_as_first"]
