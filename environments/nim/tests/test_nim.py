@@ -275,6 +275,13 @@ def test_env_config_refuses_the_single_agent_seat():
 def test_env_config_with_an_opponent():
     config = vf.resolve_env_config({"taskset": {"id": "nim"}, "opponent": "optimal", "policy_seat": "second"})
     assert type(config) is NimEnvConfig and (config.opponent, config.policy_seat) == ("optimal", "second")
+    # as prime-rl's orchestrator and eval load it, from `env_args`
+    from prime_rl.orchestrator.config import EnvConfig
+    from prime_rl.orchestrator.envs import load_env
+
+    env = load_env(EnvConfig(id="nim", env_args={"opponent": "random", "policy_seat": "alternate"}), 256)
+    assert type(env) is NimEnv and (env.config.opponent, env.config.policy_seat) == ("random", "alternate")
+    assert env.config.first.harness.id == env.config.second.harness.id == "nim"
 
 
 # --- episodes ---------------------------------------------------------------------------------------------------
