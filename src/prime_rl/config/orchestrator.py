@@ -16,6 +16,7 @@ from prime_rl.config import (
     ServedModelConfig,
     WeightBroadcastConfig,
 )
+from prime_rl.config.curriculum import GateConfig, SamplerConfig, StandardSampler
 from prime_rl.config.optim import OptimizerConfig, SchedulerConfig
 from prime_rl.utils.monitor_config import WandbConfig
 
@@ -36,6 +37,13 @@ class BufferConfig(BaseConfig):
 
     hard_threshold: float | None = None
     """Retire a task into the hard pool once one of its groups has mean reward <= this (None disables)."""
+
+    sampler: SamplerConfig = StandardSampler()
+    """Task sampler of every environment that sets none (docs/algorithms.md, "Curricula"): `standard` or
+    `difficulty_pool`."""
+
+    gate: GateConfig | None = None
+    """Admission gate of every environment that sets none (`advantage_range`); None: no gate."""
 
     @model_validator(mode="after")
     def _thresholds_are_ordered(self) -> "BufferConfig":
@@ -157,6 +165,13 @@ class EnvSpec(BaseConfig):
 class EnvConfig(EnvSpec):
     ratio: float | None = Field(None, gt=0)
     """Share of groups drawn from this environment (normalised over all); None everywhere: by number of tasks."""
+
+    sampler: SamplerConfig | None = None
+    """This environment's task sampler, e.g. `{type = "difficulty_pool"}` (None: `buffer.sampler`)."""
+
+    gate: GateConfig | None = None
+    """This environment's admission gate, e.g. `{type = "advantage_range", low = -0.05, high = 0.05}` (None:
+    `buffer.gate`)."""
 
 
 class EvalEnvConfig(EnvSpec):
@@ -443,6 +458,11 @@ class OrchestratorConfig(EntrypointConfig):
         if estimator in ("rloo", "reinforce_pp_baseline", "gpg") and self.rollouts_per_example < 2:
             # A group of one is its own baseline: every advantage would be 0.
             raise ValueError(f"advantage.estimator {estimator} needs rollouts_per_example >= 2")
+        if any(self.env_gate(n) for n in names) and estimator in ("reinforce_mean", "reinforce_pp"):
+            raise ValueError(
+                f"an advantage_range gate with advantage.estimator {estimator}: its baseline comes from the batch, so "
+                "a group's advantages are not known when it arrives"
+            )
         if self.filter_zero_advantage and estimator in ("reinforce_mean", "reinforce_pp"):
             raise ValueError(
                 f"filter_zero_advantage with advantage.estimator {estimator}: its baseline comes from the batch, so no "
@@ -494,6 +514,16 @@ class OrchestratorConfig(EntrypointConfig):
         if any(e.num_examples is None for e in self.eval.env):
             return None
         return sum(e.num_examples * e.rollouts_per_example for e in self.eval.env)
+
+    def env_sampler(self, env: str) -> SamplerConfig:
+        """The task sampler of environment `env` (its display name): its own, else `buffer.sampler`."""
+        own = next((e.sampler for e in self.env if e.display_name == env), None)
+        return own if own is not None else self.buffer.sampler
+
+    def env_gate(self, env: str) -> GateConfig | None:
+        """The admission gate of environment `env`: its own, else `buffer.gate` (None: none)."""
+        own = next((e.gate for e in self.env if e.display_name == env), None)
+        return own if own is not None else self.buffer.gate
 
     @property
     def groups_per_batch(self) -> int:

@@ -233,8 +233,10 @@ def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
         sub.notes.append("`taskset.id` -> `id`, its other keys -> `args`" if taskset else "`taskset.id` -> `id`")
     if sub.has(("address",)):
         sub.refusals.append(f"`{dotted(at)}.address` (from {t.origin}): environments served by a separate env server")
-    if sub.has(("curriculum",)):
-        sub.refusals.append(f"`{dotted(at)}.curriculum` (from {t.origin}): curricula are not supported yet")
+    if eval_item:
+        sub.refuse(("curriculum",), "a curriculum of an eval environment (curricula are for training environments)")
+    else:
+        _curriculum(sub, at)
     sub.rename(("weight",), ("ratio",))
     if eval_item:
         sub.rename(("group_size",), ("rollouts_per_example",))
@@ -244,6 +246,59 @@ def _env_item(t: Translator, at: Key, item: Any, eval_item: bool) -> Any:
     t.notes.extend(f"`{dotted(at)}`: {note}" for note in sub.notes)
     t.refusals.extend(sub.refusals)
     return sub.data
+
+
+def _curriculum(t: Translator, at: Key) -> None:
+    """2026's `curriculum` of one training source: its task `sampler` -> our `sampler` (same `type`s and `pools`),
+    its named admission `gates` -> our one `gate` (`reject_min`/`reject_max` -> `low`/`high`). The sampler's `seed`
+    was moved to `buffer.seed` before (`_sampler_seeds`)."""
+    cur = ("curriculum",)
+    if not isinstance(t.get(cur), dict):
+        return
+    if t.get(cur + ("sampler", "type")) == "standard":
+        t.rename(cur + ("sampler",), ("sampler",), why="a uniformly random task here; upstream cycles in source order")
+    else:
+        t.rename(cur + ("sampler",), ("sampler",))
+    gates = t.get(cur + ("gates",))
+    if gates == {}:
+        t.leave_out(cur + ("gates",), "no gate")
+    elif isinstance(gates, dict) and len(gates) > 1:
+        t.refusals.append(
+            f"`{dotted(at + cur)}.gates` (from {t.origin}): several admission gates on one environment "
+            f"({sorted(gates)}; ours: one `gate`)"
+        )
+    elif isinstance(gates, dict):
+        (name, gate), *_ = gates.items()
+        t.pop(cur + ("gates",))
+        gate = dict(gate) if isinstance(gate, dict) else gate
+        for theirs, ours in (("reject_min", "low"), ("reject_max", "high")):
+            if isinstance(gate, dict) and theirs in gate:
+                gate[ours] = gate.pop(theirs)
+        t.put(("gate",), gate, cur + ("gates", name))
+        t.notes.append(f"`curriculum.gates.{name}` -> `gate` (`reject_min`/`reject_max` -> `low`/`high`)")
+
+
+def _sampler_seeds(t: Translator, at: Key) -> None:
+    """The seeds of 2026's per-source difficulty-pool samplers -> `buffer.seed`: here one RNG draws every task."""
+    seeds = {}
+    for name in ("env", "source"):
+        items = t.get(at + ("train", name))
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            curriculum = item.get("curriculum") if isinstance(item, dict) else None
+            sampler = curriculum.get("sampler") if isinstance(curriculum, dict) else None
+            if isinstance(sampler, dict) and "seed" in sampler:
+                seeds[at + ("train", name, f"{i}", "curriculum", "sampler", "seed")] = sampler
+    if len({sampler["seed"] for sampler in seeds.values()}) > 1:
+        t.refusals.extend(
+            f"`{dotted(src)}` (from {t.origin}): task sampler seeds that differ between environments (ours: one "
+            "`buffer.seed`)"
+            for src in seeds
+        )
+        return
+    for src, sampler in seeds.items():  # in a list item, out of `Translator.rename`'s reach
+        t.put(at + ("buffer", "seed"), sampler.pop("seed"), src)
+        why = "one RNG draws the tasks of every environment here"
+        t.notes.append(f"`{dotted(src)}` -> `{dotted(at + ('buffer', 'seed'))}` ({why})")
 
 
 def _taskset_installed(env_id: str) -> bool:
@@ -317,6 +372,7 @@ def _orchestrator(t: Translator, at: Key) -> None:
     if t.has(at + ("train", "sampling")):
         t.rename(at + ("train", "sampling"), at + ("sampling",))
     _sampling(t, at + ("sampling",))
+    _sampler_seeds(t, at)
     for name in ("env", "source"):
         _env_list(t, at + ("train", name), at + ("env",))
     _env_list(t, at + ("env",), at + ("env",))
@@ -381,7 +437,10 @@ def _orchestrator(t: Translator, at: Key) -> None:
     )
     t.leave_out(at + ("training_mode",), "RL")
     t.refuse(at + ("prime_monitor",), "the Prime Intellect platform monitor")
-    t.refuse(at + ("curriculum",), "curricula (task samplers and admission gates) are not supported yet")
+    t.refuse(
+        at + ("curriculum",),
+        "a curriculum for the whole orchestrator (set it per training source; ours: `buffer.sampler` / `buffer.gate`)",
+    )
 
 
 def _common(t: Translator, at: Key) -> None:

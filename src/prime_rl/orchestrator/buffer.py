@@ -3,7 +3,9 @@
 The orchestrator owns the task objects; the buffer only deals in `(env_name, task_idx)` pairs with
 `task_idx` in `0..env_sizes[env] - 1`, plus the rewards of finished groups. It decides two things:
 
-- which task to roll out next: an environment drawn by its ratio, then a uniformly random active task of it;
+- which task to roll out next: an environment drawn by its ratio, then an active task of it as the environment's
+  sampler picks it (`standard`: uniformly at random; `difficulty_pool`: weighted by the pool of its latest group
+  mean reward, see curriculum.py);
 - whether a finished group goes into training (online difficulty filtering), and whether its task is
   retired for good because it has become too easy or too hard to teach anything (thresholds).
 
@@ -18,7 +20,11 @@ import math
 import random
 from typing import Any, Literal
 
+from loguru import logger
+
+from prime_rl.config.curriculum import UNSEEN, DifficultyPoolSampler, SamplerConfig
 from prime_rl.config.orchestrator import BufferConfig
+from prime_rl.orchestrator.curriculum import DifficultyPools
 
 GroupStatus = Literal["kept", "filtered_easy", "filtered_hard"]
 
@@ -41,10 +47,15 @@ class Buffer:
     `env_ratios` (owned by the env configs, hence not in `BufferConfig`) weights the environments;
     they are normalised and must be positive with exactly the env names as keys. Without them an env
     is picked in proportion to its number of active tasks, i.e. uniformly over all active tasks.
+    `samplers` (per env, also from the env configs) picks the task within an env; default `config.sampler`.
     """
 
     def __init__(
-        self, config: BufferConfig, env_sizes: dict[str, int | None], env_ratios: dict[str, float] | None = None
+        self,
+        config: BufferConfig,
+        env_sizes: dict[str, int | None],
+        env_ratios: dict[str, float] | None = None,
+        samplers: dict[str, SamplerConfig] | None = None,
     ):
         if not env_sizes:
             raise ValueError("the buffer needs at least one environment")
@@ -68,6 +79,15 @@ class Buffer:
         self._easy: dict[str, list[int]] = {env: [] for env in self._envs}
         self._hard: dict[str, list[int]] = {env: [] for env in self._envs}
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # Per env with a difficulty-pool sampler: the pools of its active tasks.
+        self._pools: dict[str, DifficultyPools] = {}
+        for env in self._envs:
+            sampler = (samplers or {}).get(env, config.sampler)
+            if isinstance(sampler, DifficultyPoolSampler):
+                if env in self._drawn:
+                    raise ValueError(f"environment {env!r} has an infinite taskset: the difficulty_pool sampler needs "
+                                     "a finite one (every task's latest reward)")  # fmt: skip
+                self._pools[env] = DifficultyPools(sampler, env_sizes[env])
 
     def sample_task(self) -> tuple[str, int]:
         """Env chosen with probability proportional to its ratio (None: to its number of *active* tasks),
@@ -78,8 +98,9 @@ class Buffer:
             if self._has_tasks(env):
                 total += self._env_weight(i, env)
         if total <= 0.0:
+            zero = f" or in difficulty pools of weight 0 ({sorted(self._pools)})" if self._pools else ""
             raise RuntimeError(
-                "every task of every environment was retired (easy_threshold="
+                f"every task of every environment was retired{zero} (easy_threshold="
                 f"{self.config.easy_threshold}, hard_threshold={self.config.hard_threshold}); nothing left to "
                 "sample: loosen or unset the thresholds"
             )
@@ -96,6 +117,8 @@ class Buffer:
         if chosen in self._drawn:
             self._drawn[chosen] += 1
             return chosen, self._drawn[chosen] - 1
+        if chosen in self._pools:
+            return chosen, self._pools[chosen].draw(self._rng)
         active = self._active[chosen]
         return chosen, active[self._rng.randrange(len(active))]
 
@@ -119,6 +142,8 @@ class Buffer:
 
         if env not in self._drawn and self._position[env][task_idx] >= 0:
             mean = sum(rewards) / len(rewards)
+            if env in self._pools:
+                self._pools[env].observe(task_idx, mean)
             easy, hard = self.config.easy_threshold, self.config.hard_threshold
             if easy is not None and mean >= easy:
                 self._retire(env, task_idx)
@@ -143,6 +168,14 @@ class Buffer:
                 out[f"pool/active/{env}"] = float(len(self._active[env]))
         return out
 
+    def curriculum_metrics(self) -> dict[str, float]:
+        """Active tasks per pool of each difficulty-pool environment: `curriculum/<env>/pool/<name>`."""
+        return {
+            f"curriculum/{env}/pool/{name}": float(n)
+            for env, pools in self._pools.items()
+            for name, n in pools.sizes().items()
+        }
+
     def reset_step_metrics(self) -> None:
         self._counters = dict.fromkeys(_COUNTERS, 0)
 
@@ -162,6 +195,7 @@ class Buffer:
                     "easy": list(self._easy[env]),
                     "hard": list(self._hard[env]),
                     **({"drawn": self._drawn[env]} if env in self._drawn else {}),
+                    **({"difficulty_pools": self._pools[env].state_dict()} if env in self._pools else {}),
                 }
                 for env in self._envs
             },
@@ -194,6 +228,13 @@ class Buffer:
                 position[task_idx] = i
             self._active[env], self._position[env] = active, position
             self._easy[env], self._hard[env] = easy, hard
+            if env in self._pools:
+                saved = env_state.get("difficulty_pools")
+                if saved is None:
+                    logger.warning(f"checkpoint has no difficulty pools of {env!r}: its active tasks start unseen")
+                    empty = dict.fromkeys(self._pools[env].sizes(), [])
+                    saved = {"rewards": [None] * size, "pools": {**empty, UNSEEN: active}}
+                self._pools[env].load_state_dict(saved, active)
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
         self._counters = {name: int(state["counters"][name]) for name in _COUNTERS}
@@ -203,6 +244,8 @@ class Buffer:
         return self._drawn[env]
 
     def _has_tasks(self, env: str) -> bool:
+        if env in self._pools:
+            return self._pools[env].total_weight() > 0
         return env in self._drawn or bool(self._active[env])
 
     def _env_weight(self, i: int, env: str) -> float:
@@ -219,6 +262,8 @@ class Buffer:
 
     def _retire(self, env: str, task_idx: int) -> None:
         """O(1) removal from the active list: move the last task into the freed slot."""
+        if env in self._pools:
+            self._pools[env].retire(task_idx)
         active, position = self._active[env], self._position[env]
         slot = position[task_idx]
         last = active[-1]

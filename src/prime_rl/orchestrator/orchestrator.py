@@ -265,7 +265,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     try:
         tasks, eval_tasks = load_environments(config)
         ratios = {e.display_name: e.ratio for e in config.env} if config.env[0].ratio is not None else None
-        buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios)
+        samplers = {name: config.env_sampler(name) for name in tasks}  # curricula (docs/algorithms.md)
+        buffer = Buffer(config.buffer, {name: t.size for name, t in tasks.items()}, ratios, samplers)
         # reinforce_mean's baseline and the temperature scaling keep state across steps (and checkpoints).
         baseline = (
             RunningMean(config.advantage.baseline_decay) if config.advantage.estimator == "reinforce_mean" else None
@@ -352,6 +353,10 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 {"event_loop_lag/max": lag_max, "event_loop_lag/mean": lag_mean, "groups/singleton": singletons}
             )
             metrics.update({f"buffer/{k}": v for k, v in buffer.metrics().items()})
+            metrics.update(buffer.curriculum_metrics())
+            metrics.update(
+                {f"curriculum/{e}/gate_rejected": scheduler.stats.gate_rejected.get(e, 0) for e in scheduler.gates}
+            )
             metrics.update(
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )

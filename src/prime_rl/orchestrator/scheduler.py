@@ -58,6 +58,7 @@ from prime_rl.orchestrator.concurrency import InflightControl
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.envs import EnvTasks
 from prime_rl.orchestrator.evals import OnlineEvals
+from prime_rl.orchestrator.gate import rejects as gate_rejects
 from prime_rl.orchestrator.messages import GroupDone, RolloutResult, RunGroup
 from prime_rl.orchestrator.samples import cut_to_seq_len
 from prime_rl.orchestrator.servers import InferenceServers
@@ -141,6 +142,8 @@ class StepStats:
     """Seconds a swap waited for the online eval pass in flight to finish."""
     peak_inflight: int = 0
     """Most groups in flight at once."""
+    gate_rejected: dict[str, int] = field(default_factory=dict)
+    """Groups an environment's admission gate rejected (each replaced by a new group; also counted in `filtered`)."""
 
 
 class Liveness:
@@ -225,6 +228,8 @@ class Scheduler:
     ):
         self.config, self.buffer, self.tasks, self.servers, self.workers = config, buffer, tasks, servers, workers
         self.temperatures, self.evals = temperatures, evals
+        self.gates = {e.display_name: g for e in config.env if (g := config.env_gate(e.display_name)) is not None}
+        """Each gated environment's admission gate (`gate.py`)."""
         self.oldest = 0
         """The oldest policy the batch being collected accepts."""
         self.k = config.max_async_level
@@ -522,6 +527,12 @@ class Scheduler:
         if self.config.filter_zero_advantage and not any(group_has_signal(r, estimator) for r in rewards.values()):
             # No seat can get a non-zero advantage (with a group baseline: equal rewards per seat).
             self._waste("filtered")
+            return
+        gate = self.gates.get(group.env)
+        if gate is not None and gate_rejects(gate, good, self.config.advantage, self.config.mask_truncated_completions):
+            # Its slot in flight is free again: the next `top_up` starts a replacement group.
+            self.stats.gate_rejected[group.env] = self.stats.gate_rejected.get(group.env, 0) + 1
+            self._waste("rejected by the gate")
             return
         self.finished.append(group)
         self.liveness.progress()
