@@ -304,11 +304,16 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     """6 steps, checkpoints every 2, the run killed during step 5; resumed with -1 it continues from step 4:
     the trainer trains 5 and 6 (nothing twice, nothing skipped) and the server serves pi_4 before new rollouts.
     Weights go by the in-memory broadcast; the resumed run reads pi_4 from the checkpoint step's directory (the
-    trainer writes checkpoint steps to disk too)."""
+    trainer writes checkpoint steps to disk too). Each environment has its own algorithm: nim self-play under rae,
+    whose baselines the resumed run restores from the checkpoint, reverse-text under the run's max_rl."""
     srv = tied_server
     out = srv.root / "rl" / "resume"
     out.mkdir(parents=True)
-    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra="[ckpt]\ninterval = 2\n" + broadcast(srv))
+    envs = NIM_MIX.replace(
+        "args = { max_sticks = 5 }", 'args = { max_sticks = 5 }\nalgo = { type = "rae", decay = 0.9 }'
+    )
+    extra = '[ckpt]\ninterval = 2\n[orchestrator.algo]\ntype = "max_rl"\n' + broadcast(srv)
+    config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra=extra, envs=envs)
     log1 = tmp_path / "run1.log"
     proc = start_rl(config, log=log1)
     try:
@@ -336,6 +341,14 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     assert all(m["policy_version/min"] >= 4 for m in resumed)  # batches 5 and 6 came from pi_4 or newer
     orch_log = (out / "logs" / "orchestrator.log").read_text().split("resuming from step 4")[-1]
     assert orch_log.index("serve policy step 4") < orch_log.index("step 5 |")
+    # The baselines after batch 4, as the first run logged them and its checkpoint kept them, are the resumed run's.
+    saved = json.loads((out / "checkpoints" / "step_4" / "orchestrator" / "rae_baselines.json").read_text())["nim"]
+    step_4 = next(m for m in orchestrator_metrics(out) if m["step"] == 4)
+    logged = {k.split("/")[2]: v for k, v in step_4.items() if k.startswith("rae/nim/")}
+    assert saved["decay"] == 0.9 and set(saved["values"]) == {"first", "second"} == set(logged)
+    assert logged == pytest.approx(saved["values"], abs=0)
+    restored = ", ".join(f"{seat} {b!r}" for seat, b in sorted(saved["values"].items()))
+    assert f"RAE baselines of nim restored: {restored}" in (out / "logs" / "orchestrator.log").read_text()
 
 
 @pytest.fixture(scope="module")

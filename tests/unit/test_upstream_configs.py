@@ -265,3 +265,25 @@ def test_a_versioned_hub_taskset_that_is_not_installed_runs_the_bundled_one(tmp_
     config, notes = read(path, "rl")
     assert [e.id for e in config.orchestrator.env] == ["reverse-text", "no-such-env-v1"]
     assert any("taskset `reverse-text-v1` (not installed) -> `reverse-text`" in n for n in notes)
+
+
+def test_upstream_training_algorithms_load_as_ours(tmp_path):
+    """`[orchestrator.train.algo]` (2026) is our `[orchestrator.algo]`; grpo's length-weighted baseline is our `opo`
+    estimator; the defaults of what we do not have are left out with a note, anything else is refused."""
+    config, notes = read(CORPUS / "current" / "rl_algo_rae.toml", "rl")
+    assert (config.orchestrator.algo.type, config.orchestrator.algo.decay) == ("rae", 0.9)
+    assert "`orchestrator.train.algo` -> `orchestrator.algo`" in notes
+    path = tmp_path / "rl.toml"
+    path.write_text(
+        '[orchestrator]\ngroup_size = 4\nbatch_size = 16\n[orchestrator.algo]\ntype = "grpo"\n'
+        'length_weighted_baseline = true\nloss_aggregation = "token"\nsampling = { source = "policy" }\n'
+    )
+    config, notes = read(path, "rl")
+    assert config.orchestrator.algo.type == "grpo" and config.orchestrator.advantage.estimator == "opo"
+    assert any("loss_aggregation` = 'token' left out" in n for n in notes)
+    path.write_text('[orchestrator.algo]\ntype = "grpo"\nloss_aggregation = "prompt"\n')
+    with pytest.raises(ConfigError, match="prompt-mean loss aggregation"):
+        read(path, "rl")
+    path.write_text('[orchestrator.algo]\ntype = "max_rl"\nsampling = { source = { name = "t", base_url = "u" } }\n')
+    with pytest.raises(ConfigError, match="sampling from another model than the policy"):
+        read(path, "rl")

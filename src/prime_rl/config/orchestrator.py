@@ -16,6 +16,7 @@ from prime_rl.config import (
     ServedModelConfig,
     WeightBroadcastConfig,
 )
+from prime_rl.config.algorithm import AlgoConfig, GrpoAlgo
 from prime_rl.config.curriculum import GateConfig, SamplerConfig, StandardSampler
 from prime_rl.config.optim import OptimizerConfig, SchedulerConfig
 from prime_rl.utils.monitor_config import WandbConfig
@@ -172,6 +173,9 @@ class EnvConfig(EnvSpec):
     gate: GateConfig | None = None
     """This environment's admission gate, e.g. `{type = "advantage_range", low = -0.05, high = 0.05}` (None:
     `buffer.gate`)."""
+
+    algo: AlgoConfig | None = None
+    """This environment's training algorithm (docs/algorithms.md); None: the run's `algo`."""
 
 
 class EvalEnvConfig(EnvSpec):
@@ -364,8 +368,11 @@ class OrchestratorConfig(EntrypointConfig):
     buffer: BufferConfig = BufferConfig()
     """Task sampling, difficulty filtering and retirement."""
 
+    algo: AlgoConfig = GrpoAlgo()
+    """Training algorithm of every environment that names none (docs/algorithms.md, "Training algorithms")."""
+
     advantage: AdvantageConfig = AdvantageConfig()
-    """Advantage estimator."""
+    """Advantage estimator of the `grpo` algorithm."""
 
     filter_zero_advantage: bool = False
     """Drop groups whose advantages are all zero (no learning signal) instead of training on them."""
@@ -454,10 +461,19 @@ class OrchestratorConfig(EntrypointConfig):
         ratios = [e.ratio for e in self.env]
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("env ratio: set it on every environment or on none")
+        algos = {self.env_algo(e.display_name).type for e in self.env}
+        if "grpo" not in algos and self.advantage != AdvantageConfig():
+            raise ValueError(f"[advantage] sets the grpo algorithm's estimator, but no environment runs grpo: {algos}")
         estimator = self.advantage.estimator
         if estimator in ("rloo", "reinforce_pp_baseline", "gpg") and self.rollouts_per_example < 2:
             # A group of one is its own baseline: every advantage would be 0.
             raise ValueError(f"advantage.estimator {estimator} needs rollouts_per_example >= 2")
+        gated_otherwise = [n for n in names if self.env_gate(n) and self.env_algo(n).type != "grpo"]
+        if gated_otherwise:
+            raise ValueError(
+                f"an advantage_range gate on {gated_otherwise}, which run {self.env_algo(gated_otherwise[0]).type}: "
+                "the gate judges the grpo algorithm's advantages"
+            )
         if any(self.env_gate(n) for n in names) and estimator in ("reinforce_mean", "reinforce_pp"):
             raise ValueError(
                 f"an advantage_range gate with advantage.estimator {estimator}: its baseline comes from the batch, so "
@@ -514,6 +530,11 @@ class OrchestratorConfig(EntrypointConfig):
         if any(e.num_examples is None for e in self.eval.env):
             return None
         return sum(e.num_examples * e.rollouts_per_example for e in self.eval.env)
+
+    def env_algo(self, env: str) -> AlgoConfig:
+        """The training algorithm of environment `env` (its display name): its own, else the run's."""
+        own = next((e.algo for e in self.env if e.display_name == env), None)
+        return own if own is not None else self.algo
 
     def env_sampler(self, env: str) -> SamplerConfig:
         """The task sampler of environment `env` (its display name): its own, else `buffer.sampler`."""

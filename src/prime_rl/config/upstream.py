@@ -420,12 +420,7 @@ def _orchestrator(t: Translator, at: Key) -> None:
         for env, ratio in zip(envs, ratios, strict=True):
             env["ratio"] = ratio
         t.notes.append(f"`{dotted(at + ('buffer', 'env_ratios'))}` -> each `env.ratio`")
-    t.leave_out(
-        at + ("algo",),
-        "GRPO is our training algorithm",
-        when=lambda v: isinstance(v, dict) and v.get("type", "grpo") == "grpo" and set(v) <= {"type"},
-    )
-    t.refuse(at + ("algo",), "training algorithms other than GRPO (distillation, self-play, ...) are not supported yet")
+    _algo(t, at)
     _online_eval(t, at + ("eval",))
     _validation(t, at)
     for name in ("teacher_model", "teacher"):
@@ -441,6 +436,44 @@ def _orchestrator(t: Translator, at: Key) -> None:
         at + ("curriculum",),
         "a curriculum for the whole orchestrator (set it per training source; ours: `buffer.sampler` / `buffer.gate`)",
     )
+
+
+ALGORITHMS_HERE = ("grpo", "max_rl", "rae", "hierarchical_grpo")
+"""Upstream's `algo.type`s we run (config/algorithm.py), spelled as upstream spells them."""
+
+
+def _algo(t: Translator, at: Key) -> None:
+    """`[orchestrator.algo]` (2026: `[orchestrator.train.algo]`) is ours too; what only upstream's has is left out where
+    it is our behaviour, mapped where we have it, refused otherwise."""
+    algo = at + ("algo",)
+    t.rename(at + ("train", "algo"), algo)
+    value = t.get(algo)
+    if not isinstance(value, dict):
+        return
+    kind = value.get("type", "grpo")
+    if kind not in ALGORITHMS_HERE:
+        t.refuse(algo, f"the `{kind}` algorithm (teacher models, distillation, echo) is not supported yet")
+        return
+    t.leave_out(algo + ("sampling",), "the policy samples", when=lambda v: v in ({}, {"source": "policy"}))
+    t.refuse(algo + ("sampling",), "sampling from another model than the policy")
+    if kind != "grpo":
+        return
+    t.leave_out(algo + ("length_weighted_baseline",), "our default", when=lambda v: v is False)
+    t.rename(
+        algo + ("length_weighted_baseline",),
+        at + ("advantage", "estimator"),
+        convert=lambda _: "opo",
+        why="the length-weighted group mean is our `opo` estimator",
+    )
+    t.leave_out(algo + ("loss_aggregation",), "every loss token weighs the same here", when=lambda v: v == "token")
+    t.leave_out(algo + ("continue_prob",), "off", when=lambda v: v == 0)
+    t.leave_out(algo + ("failsafe_min_members",), "groups are trained whole here: no partial group ships early")
+    for name, feature in (
+        ("loss_aggregation", "prompt-mean loss aggregation"),
+        ("continue_prob", "re-sampling groups without a success (Never Give Up)"),
+        ("length_penalty", "a length penalty on rewards"),
+    ):
+        t.refuse(algo + (name,), feature)
 
 
 def _common(t: Translator, at: Key) -> None:

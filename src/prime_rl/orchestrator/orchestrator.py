@@ -29,6 +29,7 @@ from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batc
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import RunningMean, compute_advantages, normalize_batch_advantages
+from prime_rl.orchestrator.algorithms import RaeBaselines, group_advantages
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
@@ -75,18 +76,32 @@ def load_environments(config: OrchestratorConfig) -> tuple[dict[str, EnvTasks], 
 
 
 def batch_samples(
-    groups: list[Group], config: OrchestratorConfig, baselines: dict[str, float] | None = None
+    groups: list[Group],
+    config: OrchestratorConfig,
+    baselines: dict[str, float] | None = None,
+    rae: dict[str, RaeBaselines] | None = None,
 ) -> tuple[list[TrainingSample], list[float], int]:
     """The batch's training samples, the advantage of each of its rollouts in order (one scalar per rollout, on every
     token of its samples), and how many seats had a single rollout (no other rollout to compare with).
 
     Advantages are computed per group and seat (see `seat_rewards`; `baselines`: `reinforce_mean`'s running mean per
     environment), then once over the whole batch (`normalize_batch_advantages`). Rollouts without sampled tokens (a
-    seat that never had to act) take part in the statistics but yield no sample."""
+    seat that never had to act) take part in the statistics but yield no sample. Environments of another algorithm
+    than `grpo` get theirs from `algorithms.group_advantages` (`rae`: each rae environment's baselines, updated in
+    batch order)."""
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     members, per_group, tokens = [], [], []  # per (group, seat): indices into `rollouts`, advantages, loss tokens
+    advantages = [0.0] * len(rollouts)
     singletons, offset = 0, 0
     for group in groups:
+        algo = config.env_algo(group.env)
+        if algo.type != "grpo":
+            seats, episodes = [r.seat for r in group.rollouts], [r.episode for r in group.rollouts]
+            rewards = [r.reward for r in group.rollouts]
+            values = group_advantages(algo, seats, episodes, rewards, (rae or {}).get(group.env))
+            advantages[offset : offset + len(values)] = values
+            offset += len(group.rollouts)
+            continue
         for seat in seat_rewards(group.rollouts):
             idx = [offset + i for i, r in enumerate(group.rollouts) if r.seat == seat]
             rewards = np.array([[rollouts[i][1].reward for i in idx]], dtype=np.float64)
@@ -98,7 +113,6 @@ def batch_samples(
             members.append(idx)
             singletons += len(idx) == 1
         offset += len(group.rollouts)
-    advantages = [0.0] * len(rollouts)
     for idx, values in zip(members, normalize_batch_advantages(per_group, config.advantage, tokens), strict=True):
         for i, advantage in zip(idx, values.tolist(), strict=True):
             advantages[i] = advantage
@@ -274,6 +288,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         temperatures = (
             TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
         )
+        rae = {env: RaeBaselines(algo.decay) for env in tasks if (algo := config.env_algo(env)).type == "rae"}
         progress = ckpt.Progress()
         resuming = config.ckpt is not None and config.ckpt.resuming
         if resuming:
@@ -285,6 +300,13 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                     part.load_state_dict(states[name])
                 elif part is not None:
                     logger.warning(f"checkpoint step {step} has no {name} state (saved without it): starting it afresh")
+            for env, baselines in rae.items():  # a new rae environment, or one saved by another algorithm: from 0
+                if env in states.get("rae_baselines", {}):
+                    baselines.load_state_dict(states["rae_baselines"][env])
+                    values = ", ".join(f"{seat} {b!r}" for seat, b in sorted(baselines.values.items()))
+                    logger.info(f"RAE baselines of {env} restored: {values}")
+                else:
+                    logger.warning(f"checkpoint step {step} has no RAE baselines of {env}: they start at 0")
             for name, env_tasks in tasks.items():
                 if env_tasks.size is None:  # an infinite taskset continues its stream where the checkpoint left it
                     env_tasks.skip(buffer.drawn(name))
@@ -335,7 +357,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             groups = await scheduler.collect(step)
             collect_seconds = time.perf_counter() - start
             baselines = {env: baseline.value(env) for env in tasks} if baseline is not None else None
-            samples, advantages, singletons = batch_samples(groups, config, baselines)
+            samples, advantages, singletons = batch_samples(groups, config, baselines, rae)
             if baseline is not None:
                 baseline.update(batch_mean_rewards(groups))
             if not bench:
@@ -363,6 +385,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
             if baselines is not None:  # the baseline this batch used
                 metrics.update({f"advantage/baseline/{env}": b for env, b in baselines.items()})
+            metrics.update({f"rae/{env}/{seat}/baseline": v for env, b in rae.items() for seat, v in b.values.items()})
             if temperatures is not None:
                 metrics.update(temperatures.metrics())
             if step % config.log_extras.interval == 0:
@@ -378,6 +401,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                     states["advantage_baseline"] = baseline.state_dict()
                 if temperatures is not None:
                     states["temperature"] = temperatures.state_dict()
+                if rae:
+                    states["rae_baselines"] = {env: baselines.state_dict() for env, baselines in rae.items()}
                 logger.info(f"checkpoint {ckpt.save(output_dir, progress, states, config.ckpt)}")
         if evals is not None and max_steps is not None:
             await scheduler.final_evals(max_steps)

@@ -52,6 +52,7 @@ import msgspec
 from loguru import logger
 
 from prime_rl.orchestrator.advantage import group_has_signal
+from prime_rl.orchestrator.algorithms import group_has_signal as algo_has_signal
 from prime_rl.orchestrator.broadcast import TrainerGone
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.concurrency import InflightControl
@@ -523,8 +524,7 @@ class Scheduler:
         if status != "kept":
             self._waste("filtered")
             return
-        estimator = self.config.advantage.estimator
-        if self.config.filter_zero_advantage and not any(group_has_signal(r, estimator) for r in rewards.values()):
+        if self.config.filter_zero_advantage and not self._has_signal(group.env, good, rewards):
             # No seat can get a non-zero advantage (with a group baseline: equal rewards per seat).
             self._waste("filtered")
             return
@@ -536,6 +536,13 @@ class Scheduler:
             return
         self.finished.append(group)
         self.liveness.progress()
+
+    def _has_signal(self, env: str, rollouts: list[RolloutResult], rewards: dict[str, list[float]]) -> bool:
+        algo = self.config.env_algo(env)
+        if algo.type == "grpo":
+            return any(group_has_signal(r, self.config.advantage.estimator) for r in rewards.values())
+        seats, episodes = [r.seat for r in rollouts], [r.episode for r in rollouts]
+        return algo_has_signal(algo, seats, episodes, [r.reward for r in rollouts])
 
     def _waste(self, why: str) -> None:
         if why == "stale":

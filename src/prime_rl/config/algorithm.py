@@ -1,0 +1,57 @@
+"""Training algorithms: `[orchestrator.algo]` for every environment, `algo` of one `[[orchestrator.env]]` for it.
+
+An algorithm maps finished rollouts to their training signal; the orchestrator computes it (orchestrator/algorithms.py)
+and ships it in the batch, and the trainer executes what it is shipped without knowing which algorithm made it. One
+typed config per algorithm, told apart by `type` (upstream prime-rl's spelling: `[orchestrator.algo] type = ...`).
+Formulas and worked examples: docs/algorithms.md, "Training algorithms".
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from prime_rl.config import BaseConfig
+
+
+class GrpoAlgo(BaseConfig):
+    """Reward minus a group baseline, per seat: the estimator and its settings are `[orchestrator.advantage]`."""
+
+    type: Literal["grpo"] = "grpo"
+    """`grpo`: the group-relative family (`advantage.estimator`: grpo, rloo, opo, reinforce..., gpg)."""
+
+
+class MaxRLAlgo(BaseConfig):
+    """Maximum-likelihood RL (arXiv 2602.02710): `A = (r - mean) / mean` per group and seat, 0 where the mean is not
+    positive. For rewards >= 0 (canonically 0/1): a task solved with probability p weighs ~1/p, as in the gradient of
+    log p, not p."""
+
+    type: Literal["max_rl"] = "max_rl"
+    """`max_rl`: group-centred reward divided by the group mean."""
+
+
+class RaeAlgo(BaseConfig):
+    """Self-play (SPIRAL, arXiv 2506.24119): `A = r - b`, b an exponential mean of the same agent's (seat's) earlier
+    rewards in this environment, read before the new reward is folded in. In a zero-sum game the group mean is ~0
+    whatever the policy does; each seat against its own expectation is not. Any group size, 1 included."""
+
+    type: Literal["rae"] = "rae"
+    """`rae`: reward minus the seat's running baseline (kept in the orchestrator checkpoint)."""
+
+    decay: float = Field(0.95, ge=0, lt=1)
+    """After each rollout: `b <- decay * b + (1 - decay) * r`; b starts at 0."""
+
+
+class HierarchicalGrpoAlgo(BaseConfig):
+    """Proposer-solver environments: a solver is compared only with the other attempts at the same proposed problem
+    (its episode), a proposer with the other proposals for the same source task (its group). A comparison of one
+    rollout gives 0."""
+
+    type: Literal["hierarchical_grpo"] = "hierarchical_grpo"
+    """`hierarchical_grpo`: group means over episodes for the solvers, over the group for the other seats."""
+
+    episode_agents: list[str] = Field(["solver"], min_length=1)
+    """Seats compared within one episode (seats `solver_1`, `solver_2`, ... count as agent `solver`)."""
+
+
+AlgoConfig = Annotated[MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | GrpoAlgo, Field(discriminator="type")]
+"""One of the algorithms, by `type` (grpo last: `--help` shows the last one's default)."""
