@@ -300,6 +300,27 @@ def test_rl_stops_everything_when_a_process_dies(tied_server, tmp_path, victim):
 
 
 @pytest.mark.slow
+def test_rl_trains_a_proposer_solver_env_under_hierarchical_grpo(tied_server, tmp_path):
+    """propose-solve (a proposer seat and one solver role run twice per episode) under hierarchical_grpo, 2 steps. The
+    tiny model's proposals are not valid problems, so the solvers never run (nothing of theirs to train) and every
+    proposer scores 0: the proposers' comparison across the group gives 0 each, exactly (the arithmetic of other
+    rewards is test_algorithms.py's)."""
+    srv = tied_server
+    out = srv.root / "rl" / "propose-solve"
+    out.mkdir(parents=True)
+    envs = '[[orchestrator.env]]\nid = "propose-solve"\nalgo = { type = "hierarchical_grpo" }\nenv_args = { num_solvers = 2 }\n'
+    config = write_config(tmp_path / "rl.toml", srv, out, k=0, steps=2, envs=envs)
+    proc = start_rl(config, log=tmp_path / "rl.log")
+    assert wait_rl(proc, 600) == 0, (tmp_path / "rl.log").read_text()[-4000:]
+    assert trainer_steps(out) == [1, 2]
+    rows = orchestrator_metrics(out)
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        assert m["reward/propose-solve/proposer/mean"] == 0.0 and m["advantage/mean_abs"] == 0.0
+        assert m["rollouts/untrained"] > 0  # the solvers of invalid proposals
+
+
+@pytest.mark.slow
 def test_rl_resume_after_a_crash(tied_server, tmp_path):
     """6 steps, checkpoints every 2, the run killed during step 5; resumed with -1 it continues from step 4:
     the trainer trains 5 and 6 (nothing twice, nothing skipped) and the server serves pi_4 before new rollouts.
