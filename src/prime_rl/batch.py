@@ -18,7 +18,14 @@ from prime_rl.utils.fs import write_atomic
 
 
 class TrainingSample(msgspec.Struct, frozen=True):
-    """One trajectory, token-aligned: every per-token list has one entry per token in `token_ids`."""
+    """One trajectory, token-aligned: every per-token list has one entry per token in `token_ids` (an optional
+    stream may instead be empty: it trains nothing).
+
+    Three loss components, each a sum over its own tokens divided by its own count in the whole step, so the
+    trainer executes whatever streams an algorithm ships without knowing the algorithm (`docs/trainer.md`, "Loss
+    components"): the policy gradient on `loss_mask` tokens (`advantages`), cross-entropy on tokens of
+    `ce_weights` > 0, and the reverse KL to `ref_logprobs` on `ref_kl_mask` tokens.
+    """
 
     token_ids: list[int]
     """Prompt + completion (+ environment turns): exactly the tokens the model saw."""
@@ -34,6 +41,12 @@ class TrainingSample(msgspec.Struct, frozen=True):
     """Distinct policy steps that generated the sample's tokens, ascending."""
     reward: float = 0.0
     """The reward of the rollout the sample is part of: the trainer's critic (`[critic]`) computes advantages from it."""
+    ce_weights: list[float] = []
+    """Per-token cross-entropy weight w >= 0: a token with w > 0 adds -w * log pi(token). Empty: no CE tokens."""
+    ref_logprobs: list[float] = []
+    """Per-token logprob under a frozen reference (a teacher, or the policy shown a demonstration). Empty: none."""
+    ref_kl_mask: list[bool] = []
+    """Tokens trained with the reverse KL to `ref_logprobs` (which they require). Empty: none."""
 
 
 class TrainingBatch(msgspec.Struct, frozen=True):
@@ -114,10 +127,35 @@ def _sample_problem(sample: TrainingSample, vocab_size: int, seq_len: int) -> st
         pos = _first_non_finite(values)
         if pos is not None:
             return f"has non-finite {name} value {values[pos]} at position {pos}"
+    if (sample.ce_weights or sample.ref_logprobs or sample.ref_kl_mask) and (problem := _stream_problem(sample, n)):
+        return problem
     if not math.isfinite(sample.reward):
         return f"has non-finite reward {sample.reward}"
     if not (math.isfinite(sample.temperature) and sample.temperature > 0):
         return f"has temperature {sample.temperature}, which must be finite and > 0"
+    return None
+
+
+def _stream_problem(sample: TrainingSample, n: int) -> str | None:
+    """The first thing wrong with the optional streams (`ce_weights`, `ref_logprobs`, `ref_kl_mask`), or None."""
+    for name in ("ce_weights", "ref_logprobs", "ref_kl_mask"):
+        length = len(getattr(sample, name))
+        if length not in (0, n):
+            return f"has {length} {name} for {n} tokens (one per token, or none)"
+    weights = sample.ce_weights
+    pos = _first_non_finite(weights)
+    if pos is not None:
+        return f"has non-finite ce_weights value {weights[pos]} at position {pos}"
+    if weights and min(weights) < 0:
+        pos = next(i for i, w in enumerate(weights) if w < 0)
+        return f"has negative ce_weights value {weights[pos]} at position {pos}"
+    if True in sample.ref_kl_mask:
+        if not sample.ref_logprobs:
+            return "has ref_kl_mask tokens but no ref_logprobs"
+        logprobs = sample.ref_logprobs
+        bad = next((t for t, m in enumerate(sample.ref_kl_mask) if m and not math.isfinite(logprobs[t])), None)
+        if bad is not None:
+            return f"has non-finite ref_logprobs value {sample.ref_logprobs[bad]} at ref_kl_mask position {bad}"
     return None
 
 

@@ -133,3 +133,73 @@ def test_validate_batch_names_path_sample_and_problem(tmp_path: Path, bad: Train
         validate_batch(make_batch(sample(), sample(), bad), path, VOCAB, SEQ_LEN)
     msg = str(info.value)
     assert str(path) in msg and "sample 2 " in msg and needle in msg, msg
+
+
+# The loss streams: ce_weights, ref_logprobs, ref_kl_mask (empty: none).
+
+STREAMS = dict(
+    ce_weights=[0.0, 0.0, 1.0, 0.5], ref_logprobs=[0.0, 0.0, -1.5, -0.25], ref_kl_mask=[False, False, True, True]
+)
+
+
+def test_round_trip_with_the_loss_streams(tmp_path: Path):
+    batch = make_batch(sample(**STREAMS), sample(6), sample(ce_weights=[0.0, 1.0, 2.0, 0.0]))
+    path = batch_path(tmp_path, 5)
+    write_batch(batch, path)
+    assert read_batch(path) == batch
+    assert read_batch(path).samples[0].ref_kl_mask == [False, False, True, True]
+    validate_batch(read_batch(path), path, VOCAB, SEQ_LEN)
+
+
+def test_a_batch_written_before_the_streams_loads_without_them(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    old = {  # every field a batch had before the streams, none of theirs
+        "step": 0,
+        "samples": [{"token_ids": [1, 2], "loss_mask": [False, True], "inference_logprobs": [0.0, -1.0],
+                     "advantages": [1.0, 1.0], "temperature": 1.0, "policy_versions": [0], "reward": 1.0}],
+    }  # fmt: skip
+    path.write_bytes(msgspec.msgpack.encode(old))
+    batch = read_batch(path)
+    s = batch.samples[0]
+    assert (s.ce_weights, s.ref_logprobs, s.ref_kl_mask) == ([], [], [])
+    validate_batch(batch, path, VOCAB, SEQ_LEN)
+
+
+def test_a_wrong_typed_stream_is_a_batch_error(tmp_path: Path):
+    path = tmp_path / "batch.bin"
+    raw = msgspec.to_builtins(make_batch(sample(), sample(**STREAMS)))
+    raw["samples"][1]["ref_kl_mask"][1] = "yes"
+    path.write_bytes(msgspec.msgpack.encode(raw))
+    assert "samples[1].ref_kl_mask[1]" in str(_assert_clean_batch_error(path))
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (sample(ce_weights=[1.0] * 3), "has 3 ce_weights for 4 tokens"),
+        (sample(ref_logprobs=[0.0] * 5), "has 5 ref_logprobs for 4 tokens"),
+        (sample(ref_kl_mask=[True]), "has 1 ref_kl_mask for 4 tokens"),
+        (sample(ce_weights=[0.0, 0.0, -0.5, 1.0]), "negative ce_weights value -0.5 at position 2"),
+        (sample(ce_weights=[0.0, float("nan"), 0.0, 1.0]), "non-finite ce_weights value nan at position 1"),
+        (sample(ce_weights=[0.0, 0.0, float("inf"), 1.0]), "non-finite ce_weights value inf at position 2"),
+        (sample(ref_kl_mask=[False, False, True, True]), "has ref_kl_mask tokens but no ref_logprobs"),
+        (
+            sample(ref_logprobs=[0.0, 0.0, -1.0, float("-inf")], ref_kl_mask=[False, False, True, True]),
+            "non-finite ref_logprobs value -inf at ref_kl_mask position 3",
+        ),
+        (sample(reward=float("nan"), **STREAMS), "non-finite reward nan"),  # the checks after the streams still run
+    ],
+)
+def test_validate_batch_names_a_bad_stream(tmp_path: Path, bad: TrainingSample, needle: str):
+    path = tmp_path / "batch.bin"
+    with pytest.raises(BatchError) as info:
+        validate_batch(make_batch(sample(), sample(**STREAMS), bad), path, VOCAB, SEQ_LEN)
+    msg = str(info.value)
+    assert str(path) in msg and "sample 2 " in msg and needle in msg, msg
+
+
+def test_streams_that_train_nothing_are_valid(tmp_path: Path):
+    # a reference log-prob may be anything (even -inf: the reference rules the token out) where no ref_kl token is;
+    # all-zero ce weights and an all-False mask train nothing
+    fine = sample(ce_weights=[0.0] * 4, ref_logprobs=[float("-inf"), 0.0, -1.0, 0.0], ref_kl_mask=[False] * 4)
+    validate_batch(make_batch(fine, sample(ref_logprobs=[0.0, float("nan"), -1.0, -2.0])), tmp_path, VOCAB, SEQ_LEN)

@@ -341,3 +341,102 @@ def test_the_demos_groups_share_their_prompt():
     assert 1 / attention_entry_cost(demo) == pytest.approx(640)
     group = [shared_sample(list(range(108)) + [1000 + k] * 15, 108) for k in range(8)]
     assert [(u.prompt, u.length) for u in layout_units(group, 512, attention_entry_cost(demo))] == [(107, 107 + 8 * 16)]
+
+
+# The loss streams (ce_weights, ref_logprobs, ref_kl_mask) ride with their tokens through every layout.
+
+
+def stream_sample(tokens: list[int], first_trained: int, base: float, ce=True, ref=True) -> TrainingSample:
+    """Stream values that encode (base, position): ce weight base + t, ref log-prob −(base + t), on the trained
+    tail; `ce`/`ref` False leave that stream empty."""
+    n = len(tokens)
+    tail = [t >= first_trained for t in range(n)]
+    return TrainingSample(
+        token_ids=tokens,
+        loss_mask=[False] * n,
+        inference_logprobs=[-0.5 if m else 0.0 for m in tail],
+        advantages=[0.0] * n,
+        ce_weights=[base + t if m else 0.0 for t, m in enumerate(tail)] if ce else [],
+        ref_logprobs=[-(base + t) if m else 0.0 for t, m in enumerate(tail)] if ref else [],
+        ref_kl_mask=tail if ref else [],
+    )
+
+
+def expected_streams(row: PackedRow, samples: list[TrainingSample]) -> dict[str, list]:
+    """Each token's stream values looked up in its own sample by (sample, position): what packing must have put there."""
+    out = {"ce_weights": [], "ref_logprobs": [], "ref_kl_mask": []}
+    for k, position in zip(row.sample_ids.tolist(), row.position_ids.tolist(), strict=True):
+        sample = samples[row.sample_indices[k]]
+        for name, zero in (("ce_weights", 0.0), ("ref_logprobs", 0.0), ("ref_kl_mask", False)):
+            values = getattr(sample, name)
+            out[name].append(values[position] if values else zero)
+    return out
+
+
+def test_streams_stay_aligned_in_rows_of_mixed_samples():
+    samples = [
+        stream_sample(list(range(100, 107)), 3, base=10.0),
+        stream_sample(list(range(200, 205)), 2, base=20.0, ref=False),  # ce only
+        stream_sample(list(range(300, 306)), 4, base=30.0, ce=False),  # ref_kl only
+        make_sample(5, base=400),  # rl only: no stream
+    ]
+    rows = pack_samples(samples, seq_len=12)
+    assert sorted(i for row in rows for i in row.sample_indices) == [0, 1, 2, 3]
+    for row in rows:
+        for name, values in expected_streams(row, samples).items():
+            tensor = getattr(row, name)  # None: no sample of the row has the stream
+            assert (tensor.tolist() if tensor is not None else [0] * row.num_tokens) == values, name
+    assert any(row.ce_weights is not None and row.ref_kl_mask is not None for row in rows)  # some row mixes them
+    assert sum(row.num_ce_tokens for row in rows) == 4 + 3  # weights > 0: sample 0's tail of 4, sample 1's of 3
+    assert sum(row.num_ref_kl_tokens for row in rows) == 4 + 2
+    alone = pack_samples([make_sample(5)], seq_len=12)[0]
+    assert (alone.ce_weights, alone.ref_logprobs, alone.ref_kl_mask) == (None, None, None)  # GRPO: nothing more
+    assert alone.num_ce_tokens == alone.num_ref_kl_tokens == 0
+    assert (padding_row().ce_weights, padding_row().ref_kl_mask) == (None, None)
+
+
+def test_a_shared_prompt_ends_before_the_first_token_any_stream_trains():
+    # A and B: tokens [1, 2, 3, 4, ...], no loss token; A's streams start at index 3, B's ce at 3 too: they share
+    # [1, 2] (the prompt less its last token) and each continuation keeps its own values. C has the same tokens as
+    # A but a ref_kl token at index 1: its prompt is [1], too short to share (as a loss token there would make it).
+    a = stream_sample([1, 2, 3, 4, 10], 3, base=1.0)
+    b = stream_sample([1, 2, 3, 4, 20], 3, base=2.0, ref=False)
+    c = stream_sample([1, 2, 3, 4, 10], 1, base=3.0, ce=False)
+    units = layout_units([a, b, c], max_length=64, attention_cost=0.0)
+    assert [(u.samples, u.prompt) for u in units] == [((0, 1), 2), ((2,), 0)]
+    (row,) = pack_units([a, b, c], units[:1], capacity=64)
+    assert row.input_ids.tolist() == [1, 2, 3, 4, 10, 3, 4, 20]
+    assert row.ce_weights.tolist() == [0.0, 0.0, 0.0, 4.0, 5.0, 0.0, 5.0, 6.0]
+    assert row.ref_logprobs.tolist() == [0.0, 0.0, 0.0, -4.0, -5.0, 0.0, 0.0, 0.0]  # B has no reference
+    assert row.ref_kl_mask.tolist() == [False, False, False, True, True, False, False, False]
+    assert row.ce_weights.tolist() == expected_streams(row, [a, b, c])["ce_weights"]
+
+
+def test_collate_fills_streams_with_zeros_for_rows_and_padding_without_them():
+    with_streams = pack_samples([stream_sample([5, 6, 7], 1, base=1.0)], seq_len=8)[0]  # ce [0, 2, 3]
+    plain = pack_samples([make_sample(5, base=10)], seq_len=8)[0]
+    batch = collate([with_streams, plain], concatenate=False)
+    assert batch.ce_weights.tolist() == [[0.0, 2.0, 3.0, 0.0, 0.0], [0.0] * 5]
+    assert batch.ref_logprobs.tolist() == [[0.0, -2.0, -3.0, 0.0, 0.0], [0.0] * 5]
+    assert batch.ref_kl_mask.tolist() == [[False, True, True, False, False], [False] * 5]
+    # the forward scores every token some component trains: loss tokens of the plain row, stream tokens of the other
+    assert batch.trained_mask.tolist() == [[False, True, True, False, False], plain.loss_mask.tolist()]
+    joined = collate([plain, with_streams], concatenate=True)
+    assert joined.ce_weights.tolist() == [[0.0] * 5 + [0.0, 2.0, 3.0]]
+    assert joined.ref_kl_mask.tolist() == [[False] * 5 + [False, True, True]]
+    grpo = collate([plain, padding_row(length=2)], concatenate=False)
+    assert (grpo.ce_weights, grpo.ref_logprobs, grpo.ref_kl_mask) == (None, None, None)
+    assert torch.equal(grpo.trained_mask, grpo.loss_mask)
+    moved = batch.to(torch.device("cpu"))
+    assert torch.equal(moved.ref_logprobs, batch.ref_logprobs) and grpo.to(torch.device("cpu")).ce_weights is None
+
+
+def test_context_parallel_padding_extends_the_streams():
+    from prime_rl.trainer.parallel.context_parallel import pad_row
+
+    row = pack_samples([stream_sample([5, 6, 7, 8, 9], 2, base=1.0)], seq_len=8)[0]
+    padded = pad_row(row, 4)  # 5 tokens -> 8: the three pad tokens train nothing
+    assert padded.ce_weights.tolist() == [0.0, 0.0, 3.0, 4.0, 5.0, 0.0, 0.0, 0.0]
+    assert padded.ref_logprobs.tolist() == [0.0, 0.0, -3.0, -4.0, -5.0, 0.0, 0.0, 0.0]
+    assert padded.ref_kl_mask.tolist() == [False, False, True, True, True, False, False, False]
+    assert pad_row(pack_samples([make_sample(5)], 8)[0], 4).ce_weights is None

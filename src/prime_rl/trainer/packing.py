@@ -53,6 +53,12 @@ class PackedRow:
     """Indices into the batch's sample list, in row order (empty for padding rows)."""
     slot: int = 0
     """The run whose samples these are: its adapter slot with LoRA (`model/lora.py`), 0 otherwise; -1 for padding."""
+    ce_weights: torch.Tensor | None = None
+    """[L] float32, or None when no sample of the row has the stream (`STREAM_FIELDS`): a GRPO row builds none."""
+    ref_logprobs: torch.Tensor | None = None
+    """[L] float32, or None."""
+    ref_kl_mask: torch.Tensor | None = None
+    """[L] bool, or None."""
 
     @property
     def num_tokens(self) -> int:
@@ -63,12 +69,29 @@ class PackedRow:
         return int(self.loss_mask.sum())
 
     @property
+    def num_ce_tokens(self) -> int:
+        return 0 if self.ce_weights is None else int((self.ce_weights > 0).sum())
+
+    @property
+    def num_ref_kl_tokens(self) -> int:
+        return 0 if self.ref_kl_mask is None else int(self.ref_kl_mask.sum())
+
+    @property
     def is_padding(self) -> bool:
         return not self.sample_indices
 
 
 TENSOR_FIELDS = ("input_ids", "position_ids", "loss_mask", "inference_logprobs", "advantages", "temperatures")
 """The per-token fields of a row that a micro-batch stacks as they are (`sample_ids` are renumbered)."""
+
+STREAM_FIELDS = {
+    "ce_weights": ("f", torch.float32),
+    "ref_logprobs": ("f", torch.float32),
+    "ref_kl_mask": ("b", torch.bool),
+}
+"""The optional per-token streams of `TrainingSample` (name: array typecode, dtype). A row, or micro-batch, holds one
+only when one of its samples has it (else None, so a GRPO step packs and moves nothing more); where some of its samples
+have it, the others get zeros (no such token)."""
 
 
 @dataclass
@@ -91,17 +114,33 @@ class MicroBatch:
     """[B, L] long: each token's row's `slot` (-1 for padding)."""
     num_padding: int = 0
     """Positions that only pad: padding rows, and the padding that evens the rows' lengths."""
+    ce_weights: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    ref_kl_mask: torch.Tensor | None = None
+    """The optional streams (`STREAM_FIELDS`), each [B, L] or None."""
 
     @property
     def num_tokens(self) -> int:
         """Positions the model computes, padding included."""
         return int(self.input_ids.numel())
 
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """[B, L] bool: tokens some loss component trains (rl, ce or ref_kl), the ones the forward must score."""
+        mask = self.loss_mask
+        if self.ce_weights is not None:
+            mask = mask | (self.ce_weights > 0)
+        if self.ref_kl_mask is not None:
+            mask = mask | self.ref_kl_mask
+        return mask
+
     def to(self, device: torch.device) -> MicroBatch:
+        streams = {name: getattr(self, name) for name in STREAM_FIELDS}
         return MicroBatch(
             **{name: getattr(self, name).to(device) for name in (*TENSOR_FIELDS, "sample_ids", "slots")},
             num_samples=self.num_samples,
             num_padding=self.num_padding,
+            **{name: None if t is None else t.to(device) for name, t in streams.items()},
         )
 
 
@@ -166,8 +205,7 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_c
     """
     groups: dict[object, list[int]] = {}
     for i, sample in enumerate(samples):
-        first_trained = sample.loss_mask.index(True) if True in sample.loss_mask else 0
-        shared = first_trained - 1 if attention_cost is not None else 0
+        shared = first_trained(sample) - 1 if attention_cost is not None else 0
         key = (shared, array("q", sample.token_ids[:shared]).tobytes()) if shared > 0 else i
         groups.setdefault(key, []).append(i)
     cost = attention_cost or 0.0  # (None shares nothing: every group above is one sample)
@@ -189,6 +227,17 @@ def layout_units(samples: Sequence[TrainingSample], max_length: int, attention_c
         else:
             units += alone
     return units
+
+
+def first_trained(sample: TrainingSample) -> int:
+    """Index of the sample's first token that any loss component trains (loss mask, ce weight > 0, ref_kl mask), or 0
+    if none: what precedes it trains nothing, so samples may share one copy of it (`layout_units`)."""
+    candidates = [sample.loss_mask.index(True)] if True in sample.loss_mask else []
+    if sample.ce_weights and (ce := next((t for t, w in enumerate(sample.ce_weights) if w > 0), None)) is not None:
+        candidates.append(ce)
+    if True in sample.ref_kl_mask:
+        candidates.append(sample.ref_kl_mask.index(True))
+    return min(candidates, default=0)
 
 
 def unit_cost(unit: Unit, attention_cost: float) -> float:
@@ -239,6 +288,14 @@ def _build_row(samples: Sequence[TrainingSample], units: Sequence[Unit]) -> Pack
     advantages = field("advantages", "f", torch.float32)
     if not loss_mask.numel() == logprobs.numel() == advantages.numel() == input_ids.numel():
         raise ValueError(f"samples {order} have per-token lists of unequal length (run validate_batch first)")
+    streams = {}
+    for name, (typecode, dtype) in STREAM_FIELDS.items():
+        if any(getattr(samples[i], name) for i in order):  # a sample without the stream: zeros, no such token
+            zero = False if dtype == torch.bool else 0.0
+            parts = ((getattr(samples[i], name) or [zero] * len(samples[i].token_ids))[a:b] for i, a, b, _ in pieces)
+            streams[name] = _flat_tensor(parts, typecode, dtype)
+            if streams[name].numel() != input_ids.numel():
+                raise ValueError(f"samples {order} have a {name} of the wrong length (run validate_batch first)")
     return PackedRow(
         input_ids=input_ids,
         position_ids=torch.cat([torch.arange(start, end, dtype=torch.long) for _, start, end, _ in pieces]),
@@ -251,6 +308,7 @@ def _build_row(samples: Sequence[TrainingSample], units: Sequence[Unit]) -> Pack
         sample_ids=torch.cat([torch.full((end - start,), k, dtype=torch.long) for _, start, end, k in pieces]),
         num_samples=len(order),
         sample_indices=order,
+        **streams,
     )
 
 
@@ -328,6 +386,18 @@ def join_rows(rows: Sequence[PackedRow]) -> PackedRow:
         num_samples=sum(row.num_samples for row in rows),
         sample_indices=[i for row in rows for i in row.sample_indices],
         slot=rows[0].slot,
+        **{name: _stream(rows, name, torch.cat) for name in STREAM_FIELDS},
+    )
+
+
+def _stream(rows: Sequence[PackedRow], name: str, combine) -> torch.Tensor | None:
+    """Stream `name` of `rows` put together by `combine` (`torch.cat` or `torch.stack`), zeros for a row without it;
+    None when no row has it."""
+    if all(getattr(row, name) is None for row in rows):
+        return None
+    dtype = STREAM_FIELDS[name][1]
+    return combine(
+        [t if (t := getattr(row, name)) is not None else torch.zeros(row.num_tokens, dtype=dtype) for row in rows]
     )
 
 
@@ -354,6 +424,7 @@ def collate(rows: Sequence[PackedRow], concatenate: bool) -> MicroBatch:
         num_samples=sum(row.num_samples for row in rows),
         slots=slots,
         num_padding=num_padding,
+        **{name: _stream(rows, name, torch.stack) for name in STREAM_FIELDS},
     )
 
 

@@ -239,6 +239,10 @@ def build_run(
 # One step: rows in, statistics out.
 
 
+STEP_TOTALS = ("loss_tokens", "tokens", "samples", "ce_tokens", "ref_kl_tokens")
+"""What `next_rows` counts per slot and over the step: the loss streams' tokens too (`rl/step.py: stream_scales`)."""
+
+
 def next_rows(
     world: World,
     seq_len: int,
@@ -254,7 +258,8 @@ def next_rows(
     model (`model_config`) less (`layout_units`).
     `take_samples()` runs on rank 0 only and returns the samples (or, for several runs, samples per adapter slot:
     each run's are packed apart and their rows carry its slot) plus facts every rank should see (they join the totals
-    `loss_tokens`, `tokens`, `samples`, and per slot `slots` = {slot: those three}). An `errors` exception there is
+    `loss_tokens`, `tokens`, `samples`, `ce_tokens`, `ref_kl_tokens` (the loss streams' tokens), and per slot
+    `slots` = {slot: those five}). An `errors` exception there is
     raised on every rank with rank 0's message, instead of leaving the other ranks blocked in the next collective.
     """
     payload: dict = {}
@@ -276,10 +281,12 @@ def next_rows(
                     "loss_tokens": sum(row.num_loss_tokens for row in slot_rows),
                     "tokens": sum(len(s.token_ids) for s in slot_samples),
                     "samples": len(slot_samples),
+                    "ce_tokens": sum(row.num_ce_tokens for row in slot_rows),  # the loss streams' counts
+                    "ref_kl_tokens": sum(row.num_ref_kl_tokens for row in slot_rows),
                 }
             payload = {
                 "shards": [shard for shard in shard_rows(rows, world.dp_size) for _ in range(world.cp)],
-                **{key: sum(totals[key] for totals in slots.values()) for key in ("loss_tokens", "tokens", "samples")},
+                **{key: sum(totals[key] for totals in slots.values()) for key in STEP_TOTALS},
                 "slots": slots,
                 **facts,
             }

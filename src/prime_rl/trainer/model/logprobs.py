@@ -275,8 +275,8 @@ def forward_passes(rows: list[PackedRow], max_tokens: int, attn: str, world: Wor
 def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = None) -> tuple[Tensor, Tensor]:
     """The forward of a micro-batch ([B, L] tensors on the model's device): log p(token t | what precedes it
     in its sample) under the sampling temperature, and the entropy of that distribution; both [B, L] fp32,
-    0 at each piece's first token (`shift_to_tokens`) and at every token off the loss mask: the head scores only
-    the positions that predict a trained token (no prompt, no padding), as every caller reads no others. Both
+    0 at each piece's first token (`shift_to_tokens`) and at every token no loss component trains
+    (`MicroBatch.trained_mask`): the head scores only the positions that predict a trained token (no prompt, no padding), as every caller reads no others. Both
     training loops and the reference run every forward through here.
 
     With context parallelism (`world.cp` > 1, inside `forward_passes`' context) this rank runs the model on its
@@ -285,7 +285,7 @@ def forward_logprobs(model: nn.Module, batch: MicroBatch, world: World | None = 
     row's values, and backward sends each rank only the gradient of its own chunk.
     """
     targets = next_token_targets(batch.input_ids)
-    scored = next_token_targets(batch.loss_mask)  # position t is scored when token t + 1 is trained
+    scored = next_token_targets(batch.trained_mask)  # position t is scored when token t + 1 is trained (any component)
     tensors = (batch.input_ids, batch.position_ids, targets, batch.temperatures, scored)
     if world is None or world.cp == 1:
         mask = model_attention_mask(model, batch.position_ids, model.get_output_embeddings().weight.dtype)

@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-from prime_rl.trainer.packing import PackedRow, piece_starts
+from prime_rl.trainer.packing import STREAM_FIELDS, PackedRow, piece_starts
 
 CP_ATTENTION = "prime_rl_ulysses"
 """The name under which the CP attention is registered in transformers' AttentionInterface."""
@@ -158,6 +158,7 @@ def pad_row(row: PackedRow, cp: int, pad_token_id: int = 0) -> PackedRow:
         advantages=extend(row.advantages, torch.zeros(pad)),
         temperatures=extend(row.temperatures, torch.ones(pad)),
         sample_ids=extend(row.sample_ids, torch.full((pad,), last_sample)),
+        **{name: extend(t, torch.zeros(pad)) for name in STREAM_FIELDS if (t := getattr(row, name)) is not None},
     )
 
 

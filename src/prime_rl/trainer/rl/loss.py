@@ -166,6 +166,32 @@ def reference_kl(trainer_logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return log_ratio.exp() - log_ratio - 1
 
 
+def ce_token_loss(trainer_logprobs: Tensor, ce_weights: Tensor) -> Tensor:
+    """Per-token weighted cross-entropy −w·π: supervised tokens (a teacher's sample, a demonstration). π is the
+    log-prob at the sample's temperature, exactly as the policy gradient sees it (logits / T); 0 where w = 0."""
+    return torch.where(ce_weights > 0, -ce_weights.detach() * trainer_logprobs, 0.0)
+
+
+def ref_kl_token_loss(trainer_logprobs: Tensor, inference_logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token reverse KL to a frozen reference in score-function form: L = ρ·sg(π − ref), ρ = exp(π − sg(μ)).
+
+    The value is the importance-weighted k1 estimate of KL(π || ref) from a token sampled by μ; the gradient is
+    ρ·(π − ref)·∇π, on-policy (π = μ, ρ = 1) exactly (π − ref)·∇π: the REINFORCE gradient of KL(π || ref) with
+    the per-token reward ref − π, what on-policy distillation minimises. A token π rates above the reference is
+    pushed down, one below pushed up. The (π − ref) factor is a reward, so it carries no gradient itself.
+    """
+    log_ratio = importance_log_ratio(trainer_logprobs, inference_logprobs)
+    return log_ratio.exp() * (trainer_logprobs - ref_logprobs).detach()
+
+
+def ce_loss(trainer_logprobs: Tensor, ce_weights: Tensor, loss_scale: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Σ `ce_token_loss` / `loss_scale` (the step's CE tokens, all micro-batches and ranks: N_ce), and `ce_loss_sum`,
+    the same sum undivided, to be averaged over N_ce. Not importance weighted nor ratio masked: supervised."""
+    per_token = ce_token_loss(torch.where(ce_weights > 0, trainer_logprobs, 0.0), ce_weights)
+    total = per_token.sum()
+    return total / loss_scale, {"ce_loss_sum": total.detach().to(torch.float64)}
+
+
 SEQUENCE_WEIGHTED = frozenset({"gspo"})
 """Objectives defined as a mean over sequences (each weighs 1/G); the others are means over loss tokens."""
 
@@ -210,6 +236,9 @@ def compute_loss(
     config: LossConfig,
     ref_logprobs: Tensor | None = None,
     beta: float = 0.0,
+    ref_kl_mask: Tensor | None = None,
+    ref_kl_logprobs: Tensor | None = None,
+    ref_kl_scale: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Σ over kept tokens of the objective's L_t times `token_weights`, divided by `loss_scale`, and detached stats.
 
@@ -221,6 +250,12 @@ def compute_loss(
     tokens, or its samples for GSPO, so the summed gradients equal those of one big batch. Stats are float64 0-d
     sums and counts, made to be all-reduced with SUM and then averaged: `*_tokens` and `mismatch_kl_sum` over
     `loss_tokens`, `*_samples` over `samples`.
+
+    With `ref_kl_mask` (the batch's `ref_kl_mask` stream, and `ref_kl_logprobs` its `ref_logprobs`), the reverse-KL
+    component `ref_kl_token_loss` joins: summed over its kept tokens and divided by `ref_kl_scale` (the step's
+    ref_kl tokens, N_ref). The ratio masks are computed over rl and ref_kl tokens together, so an off-policy sample
+    is dropped from both; the rl statistics stay those of loss tokens. Extra stats: `ref_kl_stream_sum` (Σ π − ref
+    over every ref_kl token, to be averaged over N_ref) and `ref_kl_masked_tokens`.
     """
     n = trainer_logprobs.shape[0]
     for name, tensor in (("inference_logprobs", inference_logprobs), ("advantages", advantages)):
@@ -233,8 +268,17 @@ def compute_loss(
     loss_mask = loss_mask.bool()
 
     log_ratio = importance_log_ratio(trainer_logprobs, inference_logprobs)
-    masks = ratio_masks(log_ratio, loss_mask, sample_ids, num_samples, config)
-    keep = masks["keep"]
+    if ref_kl_mask is None:
+        masks = ratio_masks(log_ratio, loss_mask, sample_ids, num_samples, config)
+        keep = masks["keep"]
+    else:
+        ref_kl_mask = ref_kl_mask.bool()
+        if ref_kl_mask.shape != (n,) or ref_kl_logprobs is None or ref_kl_logprobs.shape != (n,):
+            raise ValueError(f"ref_kl_mask and ref_kl_logprobs must both be ({n},)")
+        masks = ratio_masks(log_ratio, loss_mask | ref_kl_mask, sample_ids, num_samples, config)
+        kept = masks["keep"]
+        masks = {name: mask & loss_mask for name, mask in masks.items()}  # the rl statistics: loss tokens only
+        keep = masks["keep"]
 
     # Zero every input on dropped tokens before any exp or product: a masked token with a huge ratio would
     # otherwise put inf into the graph and turn its zero gradient into inf * 0 = NaN.
@@ -254,6 +298,14 @@ def compute_loss(
         per_token = per_token + beta * reference_kl(policy_logprobs, torch.where(keep, ref_logprobs, 0.0))
     weights = token_weights(config.objective, keep, sample_ids, num_samples, per_token.dtype)
     loss = torch.where(keep, per_token * weights, 0.0).sum() / loss_scale
+    if ref_kl_mask is not None:
+        ref_keep = kept & ref_kl_mask  # zeroed on dropped tokens like the rl inputs above
+        ref_kl = ref_kl_token_loss(
+            torch.where(ref_keep, trainer_logprobs, 0.0),
+            torch.where(ref_keep, inference_logprobs, 0.0),
+            torch.where(ref_keep, ref_kl_logprobs, 0.0),
+        )
+        loss = loss + torch.where(ref_keep, ref_kl, 0.0).sum() / ref_kl_scale
 
     with torch.no_grad():
         f64 = torch.float64
@@ -275,4 +327,8 @@ def compute_loss(
         if ref_logprobs is not None:
             ref_kl = reference_kl(trainer_logprobs.detach().to(f64), ref_logprobs.to(f64))
             stats["ref_kl_sum"] = torch.where(loss_mask, ref_kl, 0.0).sum()
+        if ref_kl_mask is not None:
+            gap = trainer_logprobs.detach().to(f64) - ref_kl_logprobs.to(f64)
+            stats["ref_kl_stream_sum"] = torch.where(ref_kl_mask, gap, 0.0).sum()
+            stats["ref_kl_masked_tokens"] = (ref_kl_mask & ~kept).sum().to(f64)
     return loss, stats

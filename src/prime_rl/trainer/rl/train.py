@@ -4,7 +4,8 @@
     uv run torchrun --nproc-per-node 2 -m prime_rl.trainer.rl.train @ cfg.toml
 
 Step n: wait for `rollouts/step_n/batch.bin` -> rank 0 packs it into rows and deals them out ->
-forward/backward every micro-batch of rows (loss normalised by the step's total loss tokens) -> clip, optimizer and
+forward/backward every micro-batch of rows (each loss component normalised by its own count in the step: loss
+tokens, ce tokens, ref_kl tokens) -> clip, optimizer and
 scheduler step -> publish pi_n: write `broadcasts/step_n`, or (in-memory broadcast) announce it and wait until
 the orchestrator has taken it -> delete the trained batch and the published steps nothing needs any more ->
 maybe checkpoint. What `sft` does alike (the process around the loop, model and optimizer setup, dealing out
@@ -30,7 +31,7 @@ from prime_rl.trainer.rl.broadcast import WeightSender
 from prime_rl.trainer.rl.critic import build_critic, critic_metrics, prepare, train_values, with_token_rewards
 from prime_rl.trainer.rl.loss import step_loss_scale
 from prime_rl.trainer.rl.reference import load_reference
-from prime_rl.trainer.rl.step import rl_metrics, train_step
+from prime_rl.trainer.rl.step import rl_metrics, stream_scales, train_step
 from prime_rl.trainer.rl.train_lora import train_lora
 from prime_rl.trainer.scaffold import (
     Run,
@@ -108,7 +109,9 @@ def train(config: TrainerConfig, world: World, monitor: Monitor | None) -> None:
             prepared, critic_sums = prepare(critic.model, rows, config.critic, world)
         run.model.train()
         policy_scale = step_loss_scale(config.loss, info["loss_tokens"], info["samples"])  # GSPO: per sequence
-        totals = train_step(run.model, rows, {0: policy_scale}, config, world, reference=reference, timer=timer)[0]
+        streams = stream_scales(info)  # ce and ref_kl tokens of the step: each stream's own normalisation
+        totals = train_step(run.model, rows, {0: policy_scale}, config, world, reference=reference, timer=timer,
+                            stream_scales=streams)[0]  # fmt: skip
         with timer("optimizer"):
             grad_norm, lr = run.optimizer_step(config.optim.max_norm)
         if critic is not None:
@@ -233,6 +236,8 @@ def log_step(step: int, metrics: dict, monitor: Monitor) -> None:
     mfu = f" mfu {metrics['mfu']:.1f}%" if metrics["mfu"] is not None else ""
     critic = f"value_loss {metrics['value_loss']:.4f} | " if "value_loss" in metrics else ""
     ref_kl = f"ref_kl {metrics['ref_kl']:.2e} | " if "ref_kl" in metrics else ""
+    ref_kl += f"ce_loss {metrics['ce_loss']:.4f} | " if "ce_loss" in metrics else ""
+    ref_kl += f"ref_kl_stream {metrics['ref_kl_stream']:+.2e} | " if "ref_kl_stream" in metrics else ""
     logger.info(
         f"step {step} | loss {metrics['loss']:+.4f} | entropy {metrics['entropy']:.3f} | "
         f"mismatch_kl {metrics.get('mismatch_kl', 0.0):.2e} | {critic}{ref_kl}grad_norm {metrics['grad_norm']:.3f} | "

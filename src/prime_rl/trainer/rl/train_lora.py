@@ -128,6 +128,12 @@ def take_batches(ready: list[Run], vocab_size: int, seq_len: int) -> tuple[dict[
         except BatchError as e:
             failed[run.name] = str(e)
             continue
+        if any((s.ce_weights and max(s.ce_weights) > 0) or True in s.ref_kl_mask for s in run_samples):
+            failed[run.name] = (
+                f"{run.path}: step {run.progress.step + 1} carries loss streams (ce_weights / ref_kl_mask), which the "
+                "LoRA multi-run trainer does not train; train this algorithm without model.lora"
+            )
+            continue
         samples[run.slot] = run_samples
         versions[run.name] = policy_versions(run_samples)
     return samples, {"failed": failed, "versions": versions}
