@@ -15,7 +15,8 @@ from prime_rl.orchestrator.algorithms import (
 )
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.messages import RolloutResult
-from prime_rl.orchestrator.orchestrator import batch_samples
+from prime_rl.orchestrator.orchestrator import batch_samples, teacher_sampler_kl
+from prime_rl.orchestrator.teacher import TeacherError, parse_prompt_logprobs
 
 
 def test_max_rl_divides_the_centred_rewards_by_the_group_mean():
@@ -129,3 +130,51 @@ def test_algorithm_configs():
         OrchestratorConfig(algo={"type": "rae"}, advantage={"estimator": "rloo"})
     with pytest.raises(ValidationError, match=r"gate on \['nim'\], which run max_rl"):
         OrchestratorConfig(env=[{"id": "nim", "algo": {"type": "max_rl"}, "gate": {"type": "advantage_range"}}])
+
+
+def test_prompt_logprobs_become_one_logprob_per_token():
+    """vLLM's prompt_logprobs for prompt [5, 7, 9]: None for the first token, then maps holding each position's own
+    token (and, with prompt_logprobs > 0, the top others). The first token has no context: 0.0."""
+    entries = [None, {"7": {"logprob": -0.5, "rank": 1}}, {"3": {"logprob": -0.1}, "9": {"logprob": -2.25}}]
+    assert parse_prompt_logprobs([5, 7, 9], entries) == [0.0, -0.5, -2.25]
+    with pytest.raises(TeacherError, match="position 2 lack token 9"):
+        parse_prompt_logprobs([5, 7, 9], entries[:2] + [{"3": {"logprob": -0.1}}])
+    with pytest.raises(TeacherError, match="scored 2 positions of a 3-token sample"):
+        parse_prompt_logprobs([5, 7, 9], entries[:2])
+
+
+def test_an_opd_sample_trains_its_sampled_tokens_towards_the_teacher():
+    """Env `text` runs opd: its sample keeps no rl token (loss_mask all False, advantage 0) and ships the teacher's
+    log-probs with the sampled tokens as the ref_kl mask; env `game` (grpo) is unchanged. The orchestrator's view of
+    the reverse KL is mean(mu - teacher) over those tokens: on the one sampled token, -0.5 - (-0.25) = -0.25."""
+    cfg = OrchestratorConfig(
+        env=[
+            {"id": "reverse-text", "name": "text", "algo": {"type": "opd", "teacher": TEACHER}},
+            {"id": "nim", "name": "game"},
+        ],
+        rollouts_per_example=2,
+        batch_size=4,
+    )
+    opd = rollout(1.0)
+    opd.samples[0].logprobs[:] = [0.0, -0.5]
+    groups = [group("text", opd, rollout(0.0)), group("game", rollout(1.0), rollout(0.0))]
+    refs = {(0, 0, 0): [0.0, -0.25], (0, 1, 0): [0.0, -3.0]}
+    samples, advantages, _ = batch_samples(groups, cfg, None, None, refs)
+    assert advantages == [0.0, 0.0, 0.5, -0.5]
+    first = samples[0]
+    assert first.loss_mask == [False, False] and first.ref_kl_mask == [False, True]
+    assert first.ref_logprobs == [0.0, -0.25] and first.advantages == [0.0, 0.0]
+    assert samples[2].loss_mask == [False, True] and samples[2].ref_kl_mask == [] and samples[2].ref_logprobs == []
+    assert teacher_sampler_kl(samples[:1]) == -0.25
+    assert teacher_sampler_kl(samples[2:]) is None
+
+
+def test_opd_needs_a_teacher_and_temperature_one():
+    with pytest.raises(ValidationError, match="teacher"):
+        OrchestratorConfig(algo={"type": "opd"})
+    with pytest.raises(ValidationError, match="sample at temperature 1"):
+        OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}, sampling={"temperature": 0.7})
+    assert group_has_signal(OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}).algo, ["a"], [0], [0.0])
+
+
+TEACHER = {"name": "teacher", "base_url": "http://127.0.0.1:1/v1"}

@@ -53,5 +53,37 @@ class HierarchicalGrpoAlgo(BaseConfig):
     """Seats compared within one episode (seats `solver_1`, `solver_2`, ... count as agent `solver`)."""
 
 
-AlgoConfig = Annotated[MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | GrpoAlgo, Field(discriminator="type")]
+class FrozenModelConfig(BaseConfig):
+    """A model behind an OpenAI-compatible endpoint that training never updates (a teacher), with its own key."""
+
+    name: str
+    """Served model name, the `model` field of every request."""
+
+    base_url: str
+    """Its OpenAI API root, e.g. `http://teacher-host:8001/v1`."""
+
+    api_key_var: str = "TEACHER_API_KEY"
+    """Environment variable holding its bearer token (unset: requests carry none)."""
+
+    timeout: float = Field(300.0, gt=0)
+    """Seconds one request may take."""
+
+    max_concurrency: int = Field(16, ge=1)
+    """Requests in flight to it at once."""
+
+
+class OpdAlgo(BaseConfig):
+    """On-policy distillation: the policy samples; the frozen `teacher` scores each sample's own tokens by prefill
+    (`prompt_logprobs`), and the trainer minimises the per-token reverse KL `log pi - log teacher` on the sampled
+    tokens (the `ref_kl` loss component). No reward is needed; sampling runs at temperature 1, where both sides'
+    log-probs are of the plain softmax."""
+
+    type: Literal["opd"] = "opd"
+    """`opd`: reverse KL to a frozen teacher on the policy's own samples."""
+
+    teacher: FrozenModelConfig
+    """The teacher: it must share the policy's tokenizer (checked when the orchestrator starts)."""
+
+
+AlgoConfig = Annotated[MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | OpdAlgo | GrpoAlgo, Field(discriminator="type")]
 """One of the algorithms, by `type` (grpo last: `--help` shows the last one's default)."""

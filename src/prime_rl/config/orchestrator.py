@@ -468,6 +468,11 @@ class OrchestratorConfig(EntrypointConfig):
         if estimator in ("rloo", "reinforce_pp_baseline", "gpg") and self.rollouts_per_example < 2:
             # A group of one is its own baseline: every advantage would be 0.
             raise ValueError(f"advantage.estimator {estimator} needs rollouts_per_example >= 2")
+        if "opd" in algos and (self.sampling.temperature != 1 or self.sampling.temperature_scaling is not None):
+            raise ValueError(
+                "opd compares the policy's log-probs with the teacher's plain softmax: sample at temperature 1 "
+                "(sampling.temperature = 1, no temperature_scaling)"
+            )
         gated_otherwise = [n for n in names if self.env_gate(n) and self.env_algo(n).type != "grpo"]
         if gated_otherwise:
             raise ValueError(

@@ -438,7 +438,7 @@ def _orchestrator(t: Translator, at: Key) -> None:
     )
 
 
-ALGORITHMS_HERE = ("grpo", "max_rl", "rae", "hierarchical_grpo")
+ALGORITHMS_HERE = ("grpo", "max_rl", "rae", "hierarchical_grpo", "opd")
 """Upstream's `algo.type`s we run (config/algorithm.py), spelled as upstream spells them."""
 
 
@@ -452,8 +452,13 @@ def _algo(t: Translator, at: Key) -> None:
         return
     kind = value.get("type", "grpo")
     if kind not in ALGORITHMS_HERE:
-        t.refuse(algo, f"the `{kind}` algorithm (teacher models, distillation, echo) is not supported yet")
+        t.refuse(algo, f"the `{kind}` algorithm (hard or self-distillation, echo) is not supported yet")
         return
+    urls = t.get(algo + ("teacher", "base_url"))
+    if isinstance(urls, list) and len(urls) == 1:
+        t.rename(algo + ("teacher", "base_url"), algo + ("teacher", "base_url"), convert=lambda v: v[0], why="one URL")
+    elif isinstance(urls, list):
+        t.refuse(algo + ("teacher", "base_url"), "a teacher behind several URLs (ours: one endpoint)")
     t.leave_out(algo + ("sampling",), "the policy samples", when=lambda v: v in ({}, {"source": "policy"}))
     t.refuse(algo + ("sampling",), "sampling from another model than the policy")
     if kind != "grpo":

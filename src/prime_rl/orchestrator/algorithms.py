@@ -106,13 +106,15 @@ def group_advantages(
         return [rae.advantage(seat, reward) for seat, reward in zip(seats, rewards, strict=True)]
     if algo.type == "hierarchical_grpo":
         return hierarchical_advantages(seats, episodes, rewards, algo.episode_agents)
+    if algo.type == "opd":  # no reward credit: the teacher's log-probs are the signal (`ref_kl`)
+        return [0.0] * len(rewards)
     raise ValueError(f"no credit for algorithm {algo.type!r} here")
 
 
 def group_has_signal(algo, seats: list[str], episodes: list[int], rewards: list[float]) -> bool:
     """Whether a finished group can get a non-zero advantage under `algo` (not `grpo`), judged when it arrives
     (`filter_zero_advantage`): RAE's baselines move, so any group may."""
-    if algo.type == "rae":
+    if algo.type in ("rae", "opd"):  # moving baselines; a teacher's log-probs
         return True
     if algo.type == "max_rl":
         return any(max_rl_advantages(np.array([r for s, r in zip(seats, rewards, strict=True) if s == seat])).any()

@@ -27,6 +27,7 @@ from loguru import logger
 
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
 from prime_rl.config.loader import load_config, write_resolved_config
+from prime_rl.models.tokenizers import load_tokenizer
 from prime_rl.orchestrator import ckpt
 from prime_rl.orchestrator.advantage import RunningMean, compute_advantages, normalize_batch_advantages
 from prime_rl.orchestrator.algorithms import RaeBaselines, group_advantages
@@ -37,6 +38,7 @@ from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
 from prime_rl.orchestrator.evals import OnlineEvals, load_eval_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.servers import InferenceServers
+from prime_rl.orchestrator.teacher import TeacherClient
 from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import rollout_workers
 from prime_rl.utils.bench import Column, format_bench_table
@@ -80,6 +82,7 @@ def batch_samples(
     config: OrchestratorConfig,
     baselines: dict[str, float] | None = None,
     rae: dict[str, RaeBaselines] | None = None,
+    refs: dict[tuple[int, int, int], list[float]] | None = None,
 ) -> tuple[list[TrainingSample], list[float], int]:
     """The batch's training samples, the advantage of each of its rollouts in order (one scalar per rollout, on every
     token of its samples), and how many seats had a single rollout (no other rollout to compare with).
@@ -88,7 +91,8 @@ def batch_samples(
     environment), then once over the whole batch (`normalize_batch_advantages`). Rollouts without sampled tokens (a
     seat that never had to act) take part in the statistics but yield no sample. Environments of another algorithm
     than `grpo` get theirs from `algorithms.group_advantages` (`rae`: each rae environment's baselines, updated in
-    batch order)."""
+    batch order). `refs`: a frozen reference's log-probs of each sample's tokens by (group, rollout, sample) index
+    (`score_with_teachers`); such a sample trains its sampled tokens with the `ref_kl` component, not `rl`."""
     rollouts = [(g, r) for g in groups for r in g.rollouts]
     members, per_group, tokens = [], [], []  # per (group, seat): indices into `rollouts`, advantages, loss tokens
     advantages = [0.0] * len(rollouts)
@@ -117,22 +121,54 @@ def batch_samples(
         for i, advantage in zip(idx, values.tolist(), strict=True):
             advantages[i] = advantage
     samples = []
-    for (group, rollout), advantage in zip(rollouts, advantages, strict=True):
+    where = [(g, r) for g, group in enumerate(groups) for r in range(len(group.rollouts))]
+    for (group, rollout), advantage, (g, r) in zip(rollouts, advantages, where, strict=True):
         masked = config.mask_truncated_completions and rollout.truncated
-        for s in rollout.samples:
+        for i, s in enumerate(rollout.samples):
             versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
+            mask = [False] * len(s.loss_mask) if masked else s.loss_mask
+            ref = (refs or {}).get((g, r, i))
             samples.append(
                 TrainingSample(
                     token_ids=s.token_ids,
-                    loss_mask=[False] * len(s.loss_mask) if masked else s.loss_mask,
+                    loss_mask=mask if ref is None else [False] * len(mask),
                     inference_logprobs=s.logprobs,
                     advantages=[advantage] * len(s.token_ids),
                     temperature=rollout.temperature or group.temperature or config.sampling.temperature,
                     policy_versions=versions,
                     reward=rollout.reward,
+                    ref_logprobs=ref or [],
+                    ref_kl_mask=mask if ref is not None else [],
                 )
             )
     return samples, advantages, singletons
+
+
+async def score_with_teachers(
+    groups: list[Group], teachers: dict[str, TeacherClient]
+) -> dict[tuple[int, int, int], list[float]]:
+    """Each sample of a group of an `opd` environment scored by its environment's teacher (all at once, each teacher
+    bounded by its `max_concurrency`): log-probs by (group, rollout, sample) index, as `batch_samples` takes them."""
+    keys, calls = [], []
+    for g, group in enumerate(groups):
+        teacher = teachers.get(group.env)
+        for r, rollout in enumerate(group.rollouts if teacher is not None else []):
+            for i, sample in enumerate(rollout.samples):
+                keys.append((g, r, i))
+                calls.append(teacher.logprobs(sample.token_ids))
+    return dict(zip(keys, await asyncio.gather(*calls), strict=True))
+
+
+def teacher_sampler_kl(samples: list[TrainingSample]) -> float | None:
+    """Mean of `log mu - log teacher` over the tokens trained towards a teacher (mu: the sampler's log-probs): the
+    per-token reverse KL of the policy that sampled the batch, as the orchestrator sees it. None without such tokens."""
+    diffs = [
+        mu - ref
+        for s in samples
+        for mu, ref, on in zip(s.inference_logprobs, s.ref_logprobs, s.ref_kl_mask, strict=False)
+        if on
+    ]
+    return statistics.fmean(diffs) if diffs else None
 
 
 def batch_mean_rewards(groups: list[Group]) -> dict[str, float]:
@@ -274,6 +310,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     workers = rollout_workers(config, output_dir / "logs", config.log.level)
     workers.launch()
     lag_task = servers = monitor = None
+    teachers: dict[str, TeacherClient] = {}
     exit_code = 1
     sigterm = SigtermCancels()  # how `rl` stops us: the cleanup below runs, and main() says "stopped"
     try:
@@ -289,6 +326,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
         )
         rae = {env: RaeBaselines(algo.decay) for env in tasks if (algo := config.env_algo(env)).type == "rae"}
+        teachers = {env: TeacherClient(algo.teacher) for env in tasks if (algo := config.env_algo(env)).type == "opd"}
         progress = ckpt.Progress()
         resuming = config.ckpt is not None and config.ckpt.resuming
         if resuming:
@@ -337,6 +375,11 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         frozen = freeze_setup_objects()
         logger.debug(f"{frozen} objects of set-up frozen: no collection walks them again (utils/gc_tuning.py)")
         await servers.wait_healthy()
+        if teachers:
+            tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
+            for env, teacher in teachers.items():
+                await teacher.check_tokenizer(tokenizer)
+                logger.info(f"{env}: teacher {teacher.config.name} at {teacher.config.base_url} shares our tokenizer")
         if bench:
             logger.info(f"bench: {max_steps} steps on the weights the servers serve now; no batches, no checkpoints")
         else:
@@ -357,7 +400,10 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             groups = await scheduler.collect(step)
             collect_seconds = time.perf_counter() - start
             baselines = {env: baseline.value(env) for env in tasks} if baseline is not None else None
-            samples, advantages, singletons = batch_samples(groups, config, baselines, rae)
+            scored = time.perf_counter()
+            refs = await score_with_teachers(groups, teachers) if teachers else None
+            scored = time.perf_counter() - scored
+            samples, advantages, singletons = batch_samples(groups, config, baselines, rae, refs)
             if baseline is not None:
                 baseline.update(batch_mean_rewards(groups))
             if not bench:
@@ -386,6 +432,10 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             if baselines is not None:  # the baseline this batch used
                 metrics.update({f"advantage/baseline/{env}": b for env, b in baselines.items()})
             metrics.update({f"rae/{env}/{seat}/baseline": v for env, b in rae.items() for seat, v in b.values.items()})
+            if teachers:
+                metrics["time/teacher"] = scored
+                if (kl := teacher_sampler_kl(samples)) is not None:
+                    metrics["teacher_kl/sampler"] = kl
             if temperatures is not None:
                 metrics.update(temperatures.metrics())
             if step % config.log_extras.interval == 0:
@@ -416,6 +466,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         await workers.close()
         if servers is not None:
             await servers.close(finished=exit_code == 0)
+        for teacher in teachers.values():
+            await teacher.close()
         if monitor is not None:
             monitor.close(exit_code)
         lock.release()
