@@ -18,7 +18,6 @@ from conftest import API_KEY, RUN_SECRET
 from rl_run import started_pid, write_rl_config
 
 from prime_rl.batch import batch_path
-from prime_rl.inference.process import InferenceServer
 from prime_rl.utils.secret import SECRET_VAR
 
 RL = str(Path(sys.executable).parent / "rl")
@@ -322,29 +321,24 @@ def test_rl_trains_a_proposer_solver_env_under_hierarchical_grpo(tied_server, tm
 
 
 @pytest.mark.slow
-def test_rl_distils_from_a_teacher_server_under_opd(tied_server, tmp_path, monkeypatch):
-    """The policy (the session's server, base weights) samples reverse-text; a second server, with its own key, serves
-    a very different model with the same tokenizer (the base perturbed 8x) as the frozen teacher. 3 steps at k = 0.
-    At step 1 the trainer's policy is the one that sampled, so its reverse KL to the teacher over the sampled tokens
-    (`ref_kl_stream`: log pi from the trainer's forward, minus the shipped teacher log-probs) equals the
-    orchestrator's (`teacher_kl/sampler`: vLLM's sampling log-probs minus the same) up to their mismatch
-    (mismatch_kl ~1e-12 in fp32): within 1e-3. No reward, no rl token: the run trains the ref_kl component alone."""
+def test_rl_distils_from_a_teacher_it_serves_under_opd(tied_server, tmp_path):
+    """The policy (the session's server, base weights) samples reverse-text; `[teacher]` makes `rl` serve a very
+    different model with the same tokenizer (the base perturbed 8x) as the frozen teacher, a second server holding the
+    run's token, stopped with the run. 3 steps at k = 0. At step 1 the trainer's policy is the one that sampled, so
+    its reverse KL to the teacher over the sampled tokens (`ref_kl_stream`: log pi from the trainer's forward, minus
+    the shipped teacher log-probs) equals the orchestrator's (`teacher_kl/sampler`: vLLM's sampling log-probs minus
+    the same) up to their mismatch (mismatch_kl ~1e-12 in fp32): within 1e-3. No rl token: ref_kl trains alone."""
     srv = tied_server
-    key = "teacher-" + RUN_SECRET[:24]
-    extra = ["--model.enforce-eager", "--model.max-model-len", "512"]
-    teacher = InferenceServer(srv.step_1, tmp_path / "teacher", extra=extra, api_key=key)
-    try:
-        teacher.wait_healthy()
-        monkeypatch.setenv("PRIME_TEST_TEACHER_KEY", key)
-        out = srv.root / "rl" / "opd"
-        out.mkdir(parents=True)
-        spec = f'{{ name = "{srv.step_1}", base_url = "{teacher.url}/v1", api_key_var = "PRIME_TEST_TEACHER_KEY" }}'
-        envs = REVERSE_TEXT + f'algo = {{ type = "opd", teacher = {spec} }}\n'
-        config = write_config(tmp_path / "rl.toml", srv, out, k=0, steps=3, envs=envs)
-        proc = start_rl(config, log=tmp_path / "rl.log")
-        assert wait_rl(proc, 600) == 0, (tmp_path / "rl.log").read_text()[-4000:]
-    finally:
-        teacher.stop()
+    out = srv.root / "rl" / "opd"
+    out.mkdir(parents=True)
+    envs = REVERSE_TEXT + 'algo = { type = "opd" }\n'
+    extra = f'[teacher]\nmodel = "{srv.step_1}"\n'
+    config = write_config(tmp_path / "rl.toml", srv, out, k=0, steps=3, extra=extra, envs=envs)
+    proc = start_rl(config, log=tmp_path / "rl.log")
+    assert wait_rl(proc, 600) == 0, (tmp_path / "rl.log").read_text()[-4000:]
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if any("teacher.toml" in a for a in p.info["cmdline"] or [])
+    ]
     assert "reverse-text: teacher" in (out / "logs" / "orchestrator.log").read_text()  # its tokenizer was checked
     trained, orch = trainer_metrics(out), orchestrator_metrics(out)
     assert [m["step"] for m in trained] == [1, 2, 3] and [m["step"] for m in orch] == [1, 2, 3]

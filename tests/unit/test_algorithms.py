@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 from test_batch_advantages import group, rollout
 
+from prime_rl.models.tokenizers import tokenizer_mismatch
 from prime_rl.orchestrator.algorithms import (
     RaeBaselines,
     agent_of,
@@ -15,7 +16,7 @@ from prime_rl.orchestrator.algorithms import (
 )
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.messages import RolloutResult
-from prime_rl.orchestrator.orchestrator import batch_samples, teacher_sampler_kl
+from prime_rl.orchestrator.orchestrator import batch_samples, teacher_of, teacher_sampler_kl
 from prime_rl.orchestrator.teacher import TeacherError, parse_prompt_logprobs
 
 
@@ -170,11 +171,36 @@ def test_an_opd_sample_trains_its_sampled_tokens_towards_the_teacher():
 
 
 def test_opd_needs_a_teacher_and_temperature_one():
-    with pytest.raises(ValidationError, match="teacher"):
-        OrchestratorConfig(algo={"type": "opd"})
+    alone = OrchestratorConfig(algo={"type": "opd"})  # `rl` may still fill it from its [teacher]
+    with pytest.raises(ValueError, match="reverse-text: algo opd needs a teacher"):
+        teacher_of(alone, "reverse-text")
     with pytest.raises(ValidationError, match="sample at temperature 1"):
         OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}, sampling={"temperature": 0.7})
     assert group_has_signal(OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}).algo, ["a"], [0], [0.0])
 
 
 TEACHER = {"name": "teacher", "base_url": "http://127.0.0.1:1/v1"}
+
+
+def model_dir(path, vocab: str):
+    path.mkdir()
+    (path / "tokenizer.json").write_text(vocab)
+    return str(path)
+
+
+def test_rl_points_opd_at_the_teacher_it_serves(tmp_path):
+    from prime_rl.rl.config import RLConfig
+
+    policy, teacher = model_dir(tmp_path / "policy", '{"v": 1}'), model_dir(tmp_path / "teacher", '{"v": 1}')
+    orch = {"algo": {"type": "opd"}, "env": [{"id": "reverse-text"}, {"id": "nim", "algo": {"type": "rae"}}]}
+    config = RLConfig(model={"name": policy}, inference={}, orchestrator=orch, teacher={"model": teacher, "port": 8123})
+    algo = config.orchestrator.algo
+    assert (algo.teacher.name, algo.teacher.base_url) == (teacher, "http://127.0.0.1:8123/v1")
+    assert algo.teacher.api_key_var == config.orchestrator.client.api_key_var  # unset: the run's token
+    assert config.orchestrator.env_algo("nim").type == "rae"
+    other = model_dir(tmp_path / "other", '{"v": 2}')
+    with pytest.raises(ValidationError, match=r"the tokenizer of .*other.* differs from the policy's"):
+        RLConfig(model={"name": policy}, inference={}, orchestrator=orch, teacher={"model": other})
+    with pytest.raises(ValidationError, match="no environment runs algo opd"):
+        RLConfig(model={"name": policy}, inference={}, teacher={"model": teacher})
+    assert tokenizer_mismatch("Qwen/Qwen3-0.6B", policy) is None  # a hub id: checked on the teacher's server

@@ -81,8 +81,9 @@ class OpdAlgo(BaseConfig):
     type: Literal["opd"] = "opd"
     """`opd`: reverse KL to a frozen teacher on the policy's own samples."""
 
-    teacher: FrozenModelConfig
-    """The teacher: it must share the policy's tokenizer (checked when the orchestrator starts)."""
+    teacher: FrozenModelConfig | None = None
+    """The teacher, sharing the policy's tokenizer (checked when the orchestrator starts); None: the one `rl` serves
+    from its `[teacher]` section."""
 
 
 AlgoConfig = Annotated[MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | OpdAlgo | GrpoAlgo, Field(discriminator="type")]

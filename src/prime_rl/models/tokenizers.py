@@ -46,3 +46,15 @@ def is_generic_tokenizer_dir(name: str) -> bool:
         and "auto_map" not in config
         and (directory / "tokenizer.json").is_file()
     )
+
+
+def tokenizer_mismatch(policy: str, other: str) -> str | None:
+    """Why two local model directories do not share a tokenizer (their `tokenizer.json` differ: other token ids for
+    the same text), or None. Hub ids and directories without that file are not judged here: a teacher's tokenizer is
+    also checked on its server when the orchestrator starts (`orchestrator/teacher.py`)."""
+    files = [Path(name).expanduser() / "tokenizer.json" for name in (policy, other)]
+    if not all(f.is_file() for f in files):
+        return None
+    if files[0].read_bytes() == files[1].read_bytes():
+        return None
+    return f"the tokenizer of {other} ({files[1]}) differs from the policy's ({files[0]})"

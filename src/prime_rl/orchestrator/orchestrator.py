@@ -144,6 +144,14 @@ def batch_samples(
     return samples, advantages, singletons
 
 
+def teacher_of(config: OrchestratorConfig, env: str):
+    """The teacher of `env`'s opd algorithm; an error naming the fix without one (`rl` fills it from `[teacher]`)."""
+    teacher = config.env_algo(env).teacher
+    if teacher is None:
+        raise ValueError(f"{env}: algo opd needs a teacher: `algo.teacher = {{name, base_url}}`, or `[teacher]` in rl")
+    return teacher
+
+
 async def score_with_teachers(
     groups: list[Group], teachers: dict[str, TeacherClient]
 ) -> dict[tuple[int, int, int], list[float]]:
@@ -326,7 +334,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
         )
         rae = {env: RaeBaselines(algo.decay) for env in tasks if (algo := config.env_algo(env)).type == "rae"}
-        teachers = {env: TeacherClient(algo.teacher) for env in tasks if (algo := config.env_algo(env)).type == "opd"}
+        teachers = {env: TeacherClient(teacher_of(config, env)) for env in tasks if config.env_algo(env).type == "opd"}
         progress = ckpt.Progress()
         resuming = config.ckpt is not None and config.ckpt.resuming
         if resuming:
@@ -378,6 +386,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
         if teachers:
             tokenizer = load_tokenizer(config.model.name, trust_remote_code=config.model.trust_remote_code)
             for env, teacher in teachers.items():
+                await teacher.wait_healthy()
                 await teacher.check_tokenizer(tokenizer)
                 logger.info(f"{env}: teacher {teacher.config.name} at {teacher.config.base_url} shares our tokenizer")
         if bench:

@@ -3,18 +3,20 @@
 One `/v1/completions` request per sample with the token ids as the prompt, `max_tokens = 1` and `prompt_logprobs = 0`:
 vLLM then returns, for every prompt position after the first, the log-probability of the token that is there. No
 sampling, no chat template, no re-tokenisation: the teacher scores exactly the tokens the policy saw and wrote, which
-is why it must share the policy's tokenizer (`check_tokenizer`). Requests carry the teacher's own key.
+is why it must share the policy's tokenizer (`check_tokenizer`). Requests carry the teacher's own key (its
+`api_key_var`), or the run's token for a teacher `rl` serves (`[teacher]`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 
 import httpx
 
 from prime_rl.config.algorithm import FrozenModelConfig
 from prime_rl.utils import net
+from prime_rl.utils.health import wait_healthy
+from prime_rl.utils.secret import client_token
 
 PROBE = "Reverse the text: The quick brown fox jumps over 13 lazy dogs!\n<|im_start|>assistant"
 """Text whose token ids the policy's tokenizer and the teacher's must agree on (words, digits, punctuation, a
@@ -44,7 +46,7 @@ class TeacherClient:
 
     def __init__(self, config: FrozenModelConfig):
         self.config = config
-        key = os.environ.get(config.api_key_var)
+        key = client_token(config.api_key_var)  # its variable, else the run's token (a teacher `rl` serves)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(
             max_connections=config.max_concurrency,
@@ -67,6 +69,16 @@ class TeacherClient:
                 f"{response.text[:300]}"
             )
         return response.json()
+
+    async def wait_healthy(self) -> None:
+        """Until the teacher answers `/health` (at most its `timeout`): one `rl` serves starts beside the policy's."""
+        root = self.config.base_url.rstrip("/").removesuffix("/v1")
+        try:
+            await wait_healthy([root], self.config.timeout, client=self.http)
+        except TimeoutError as e:
+            raise TeacherError(
+                f"teacher {self.config.name} at {root} not healthy after {self.config.timeout:.0f}s"
+            ) from e
 
     async def check_tokenizer(self, tokenizer) -> None:
         """Refuse a teacher whose tokenizer splits `PROBE` otherwise than the policy's: its log-probs would score other

@@ -23,9 +23,11 @@ from prime_rl.config import (
     ModelConfig,
     WeightBroadcastConfig,
 )
+from prime_rl.config.algorithm import FrozenModelConfig
 from prime_rl.config.loader import deep_merge, fill_discriminators, load_toml
 from prime_rl.inference.config import VLLM_LORA_RANKS, InferenceConfig
 from prime_rl.inference.config import LoRAConfig as ServedLoRAConfig
+from prime_rl.models.tokenizers import tokenizer_mismatch
 from prime_rl.orchestrator.config import AdapterConfig, OrchestratorConfig
 from prime_rl.trainer.config import TrainerConfig
 from prime_rl.utils.monitor_config import WandbConfig
@@ -153,6 +155,20 @@ class RunSpec(BaseConfig):
     """Orchestrator keys for this run, over `config` and `[orchestrator]` (e.g. `adapter.optim.lr = 1e-3`)."""
 
 
+class TeacherServerConfig(BaseConfig):
+    """A frozen teacher `rl` serves for `opd` (`[teacher]`): a second `inference` process beside the policy's, with
+    the policy server's settings, the run's token and no weight updates; stopped with the run."""
+
+    model: str
+    """The teacher's model: a local directory or a hub id. It must have the policy's tokenizer."""
+
+    port: int | None = Field(None, ge=1, le=65535)
+    """Its port on this host; None: a free one."""
+
+    gpu_ids: list[int] = []
+    """Its GPUs (CUDA_VISIBLE_DEVICES); ignored on CPU, where it shares the CPUs with the rest."""
+
+
 class RLConfig(EntrypointConfig):
     # A shared key given on the command line overrides the sections' values from files (`rl @ cluster.toml
     # --model.name ./small-model`); set in a file, a section's different value is refused as a contradiction.
@@ -225,6 +241,9 @@ class RLConfig(EntrypointConfig):
     """Several runs in one LoRA trainer (`[[runs]]`, needs `[trainer.model.lora]`): one orchestrator each, on
     `output_dir/run_<name>`, with `[orchestrator]` plus its own keys; `[orchestrator]` itself is not started."""
 
+    teacher: TeacherServerConfig | None = None
+    """A frozen teacher to serve for every `opd` environment that names none (`[teacher] model = ...`)."""
+
     bench: BenchConfig | None = None
     """A short real run of the whole system (`--bench` enables): `bench.steps` steps with real rollouts and weight
     updates, checkpoints and W&B off; ends with one table of the orchestrator's and the trainer's step metrics."""
@@ -293,6 +312,7 @@ class RLConfig(EntrypointConfig):
             orch.client.api_key_var = API_KEY_VAR  # where its workers hold the run's HTTP token (`utils.secret`)
         if inf is not None and inf.max_num_seqs is None and "orchestrator" in deploy.roles:
             inf.max_num_seqs = self._rollouts_in_flight()
+        self._teacher()
         if self.bench is not None:
             self._bench()
         if self.runs and trainer.model.lora is None:
@@ -367,6 +387,31 @@ class RLConfig(EntrypointConfig):
             except (ValidationError, ValueError, OSError) as e:
                 raise ValueError(f"runs[{i}] ({run.name}): {e}") from None
         return configs
+
+    def _teacher(self) -> None:
+        """Point every opd environment without a teacher at the one `[teacher]` serves (on this host, the run's token),
+        after checking that the two models have one tokenizer."""
+        orch = self.orchestrator
+        algos = [orch.algo] + [e.algo for e in orch.env if e.algo is not None]
+        waiting = [a for a in algos if a.type == "opd" and a.teacher is None]
+        if self.teacher is None:
+            return
+        if not waiting:
+            raise ValueError("[teacher]: no environment runs algo opd without a teacher of its own; remove [teacher]")
+        if self.runs or not self.deployment.single_host or self.inference is None:
+            raise ValueError("[teacher] is served on this host with the settings of [inference], for one run")
+        problem = tokenizer_mismatch(orch.model.name, self.teacher.model)
+        if problem:
+            raise ValueError(f"[teacher] {problem}: opd compares the two models token by token")
+        if self.teacher.port is None:
+            self.teacher.port = free_port()
+        teacher = FrozenModelConfig(
+            name=self.teacher.model,
+            base_url=f"http://127.0.0.1:{self.teacher.port}/v1",
+            api_key_var=orch.client.api_key_var,  # unset there: the run's token, which `rl` gives the teacher too
+        )
+        for algo in waiting:
+            algo.teacher = teacher
 
     def _bench(self) -> None:
         """`--bench`: `bench.steps` steps of the real system, nothing kept for later (checkpoints, W&B)."""

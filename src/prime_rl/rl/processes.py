@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from prime_rl.config import WeightBroadcastConfig
 from prime_rl.config.loader import to_toml
 from prime_rl.inference.cpu_engine import is_cpu_build
 from prime_rl.orchestrator.config import OrchestratorConfig
@@ -110,6 +111,29 @@ def inference_process(config: RLConfig, log_dir: Path, tag: str, keys: RunKeys |
     return Process("inference", cmd, env, log_dir / f"inference{tag}.out", keys_for("inference", config, keys))
 
 
+def teacher_process(config: RLConfig, log_dir: Path, keys: RunKeys | None = None) -> Process | None:
+    """The frozen teacher `[teacher]` asks for (not started): `inference` with the policy server's settings on the
+    teacher's model and port, no weight updates, its own output dir (`{output_dir}/teacher`), the run's token."""
+    if config.teacher is None or config.inference is None:
+        return None
+    teacher, inference = config.teacher, config.inference
+    server = inference.server.model_copy(update={"api_key": None, "port": teacher.port, "attachable": False})
+    section = inference.model_copy(
+        update={
+            "model": inference.model.model_copy(update={"name": teacher.model, "served_name": None}),
+            "server": server,
+            "output_dir": config.output_dir / "teacher",
+            "weight_broadcast": WeightBroadcastConfig(),
+            "lora": None,
+        }
+    )
+    cfg = write_section(section, config.output_dir / "configs" / "rl" / "teacher.toml")
+    env = {**_base_env(), "CUDA_VISIBLE_DEVICES": ",".join(map(str, teacher.gpu_ids))}
+    env.update(omp_env(config).get("inference", {}))
+    run_token = RunKeys(None, keys.http) if keys is not None else None
+    return Process("teacher", [str(BIN / "inference"), "@", str(cfg)], env, log_dir / "teacher.out", run_token)
+
+
 def build_processes(
     config: RLConfig,
     orchs: dict[str, OrchestratorConfig],
@@ -128,6 +152,8 @@ def build_processes(
     omp = omp_env(config)
     if with_inference and (inference := inference_process(config, log_dir, tag, keys)) is not None:
         processes["inference"] = inference
+    if (teacher := teacher_process(config, log_dir, keys)) is not None:
+        processes["teacher"] = teacher
     if "orchestrator" in roles:
         for role, orch in orchs.items():
             stem = role.replace("/", ".")  # orchestrator/<run> -> orchestrator.<run>.toml, .out

@@ -92,7 +92,7 @@ def launch(
     processes = build_processes(config, orchs, log_dir, tag, keys, with_inference=False)
     if inference is not None:
         processes = {"inference": inference, **processes}
-    finishers = [p for role, p in processes.items() if role != "inference"]
+    finishers = [p for role, p in processes.items() if role not in ("inference", "teacher")]  # servers serve on
     runs = {role: p for role, p in processes.items() if role.startswith("orchestrator/")}
     failed_runs: list[str] = []
     trainer_done_at: float | None = None
@@ -122,6 +122,8 @@ def launch(
         all_cpus = os.sched_getaffinity(0)
         # While our server starts, the others keep to their own CPUs: its start is what step 1 waits for.
         side = side_cpus(all_cpus) if url is not None else None
+        if "teacher" in processes:  # a server like ours: all CPUs (it is not what step 1 waits for first)
+            processes["teacher"].start()
         for p in finishers:
             p.start(side)
         follower.start()
@@ -144,7 +146,7 @@ def launch(
             stopping = False
             for p in processes.values():  # every process found ended is named: the first to die may not come first
                 code = p.poll()
-                if code is None or (code == 0 and p is not inference) or p.name in failed_runs:
+                if code is None or (code == 0 and p.name not in ("inference", "teacher")) or p.name in failed_runs:
                     continue
                 what = "exited" if code == 0 else f"failed with exit code {code}"
                 if p.name in runs:
