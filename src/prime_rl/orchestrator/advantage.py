@@ -209,6 +209,15 @@ def normalize_batch_advantages(
     return [part.reshape(g.shape) for part, g in zip(parts, groups, strict=True)]
 
 
+def seat_members(seats: list[str]) -> list[list[int]]:
+    """The indices of each seat's rollouts in a group (`seats`: each rollout's seat), seats in order of appearance: in
+    a multi-agent environment every seat is its own group for advantages."""
+    members: dict[str, list[int]] = {}
+    for i, seat in enumerate(seats):
+        members.setdefault(seat, []).append(i)
+    return list(members.values())
+
+
 def group_has_signal(rewards: list[float], estimator: str) -> bool:
     """Whether the rewards of one group (one seat of it) can carry a learning signal, judged when the group arrives:
     with a group baseline only if they differ; for `reinforce` only if one is non-zero (A = r). The batch-centred

@@ -16,6 +16,8 @@ import re
 
 import numpy as np
 
+from prime_rl.orchestrator.advantage import seat_members
+
 
 def max_rl_advantages(rewards: np.ndarray) -> np.ndarray:
     """MaxRL on one group's (one seat's) rewards: `A_i = (r_i - m) / m` with m their mean; all 0 if `m <= 0` (no
@@ -95,8 +97,7 @@ def group_advantages(
     `rae`: the environment's baselines, for `rae`."""
     if algo.type == "max_rl":
         advantages = [0.0] * len(rewards)
-        for seat in dict.fromkeys(seats):  # each seat its own comparison, as grpo's
-            idx = [i for i, s in enumerate(seats) if s == seat]
+        for idx in seat_members(seats):  # each seat its own comparison, as grpo's
             for i, a in zip(idx, max_rl_advantages(np.array([rewards[i] for i in idx])).tolist(), strict=True):
                 advantages[i] = a
         return advantages
@@ -117,6 +118,5 @@ def group_has_signal(algo, seats: list[str], episodes: list[int], rewards: list[
     if algo.type in ("rae", "opd"):  # moving baselines; a teacher's log-probs
         return True
     if algo.type == "max_rl":
-        return any(max_rl_advantages(np.array([r for s, r in zip(seats, rewards, strict=True) if s == seat])).any()
-                   for seat in set(seats))  # fmt: skip
+        return any(max_rl_advantages(np.array([rewards[i] for i in idx])).any() for idx in seat_members(seats))
     return any(a != 0 for a in hierarchical_advantages(seats, episodes, rewards, algo.episode_agents))

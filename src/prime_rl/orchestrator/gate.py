@@ -13,7 +13,7 @@ import numpy as np
 
 from prime_rl.config.curriculum import AdvantageRangeGate
 from prime_rl.config.orchestrator import AdvantageConfig
-from prime_rl.orchestrator.advantage import compute_advantages
+from prime_rl.orchestrator.advantage import compute_advantages, seat_members
 from prime_rl.orchestrator.messages import RolloutResult
 
 
@@ -21,8 +21,7 @@ def group_advantages(rollouts: list[RolloutResult], config: AdvantageConfig) -> 
     """Each rollout's advantage within its group, in order: one `compute_advantages` call per seat (a seat's
     rollouts are their own group; opo's lengths are each rollout's loss tokens, at least 1)."""
     advantages = [0.0] * len(rollouts)
-    for seat in dict.fromkeys(r.seat for r in rollouts):
-        idx = [i for i, r in enumerate(rollouts) if r.seat == seat]
+    for idx in seat_members([r.seat for r in rollouts]):
         rewards = np.array([[rollouts[i].reward for i in idx]], dtype=np.float64)
         lengths = np.array([[max(1, sum(sum(s.loss_mask) for s in rollouts[i].samples)) for i in idx]])
         for i, value in zip(idx, compute_advantages(rewards, lengths, config)[0].tolist(), strict=True):

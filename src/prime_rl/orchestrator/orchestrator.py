@@ -29,7 +29,12 @@ from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batc
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.models.tokenizers import load_tokenizer
 from prime_rl.orchestrator import ckpt
-from prime_rl.orchestrator.advantage import RunningMean, compute_advantages, normalize_batch_advantages
+from prime_rl.orchestrator.advantage import (
+    RunningMean,
+    compute_advantages,
+    normalize_batch_advantages,
+    seat_members,
+)
 from prime_rl.orchestrator.algorithms import RaeBaselines, group_advantages
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
@@ -87,7 +92,7 @@ def batch_samples(
     """The batch's training samples, the advantage of each of its rollouts in order (one scalar per rollout, on every
     token of its samples), and how many seats had a single rollout (no other rollout to compare with).
 
-    Advantages are computed per group and seat (see `seat_rewards`; `baselines`: `reinforce_mean`'s running mean per
+    Advantages are computed per group and seat (see `seat_members`; `baselines`: `reinforce_mean`'s running mean per
     environment), then once over the whole batch (`normalize_batch_advantages`). Rollouts without sampled tokens (a
     seat that never had to act) take part in the statistics but yield no sample. Environments of another algorithm
     than `grpo` get theirs from `algorithms.group_advantages` (`rae`: each rae environment's baselines, updated in
@@ -106,8 +111,8 @@ def batch_samples(
             advantages[offset : offset + len(values)] = values
             offset += len(group.rollouts)
             continue
-        for seat in seat_rewards(group.rollouts):
-            idx = [offset + i for i, r in enumerate(group.rollouts) if r.seat == seat]
+        for seat in seat_members([r.seat for r in group.rollouts]):
+            idx = [offset + i for i in seat]
             rewards = np.array([[rollouts[i][1].reward for i in idx]], dtype=np.float64)
             loss_tokens = [sum(sum(s.loss_mask) for s in rollouts[i][1].samples) for i in idx]
             lengths = np.array([[max(1, n) for n in loss_tokens]])
