@@ -127,7 +127,7 @@ def test_algorithm_configs():
         OrchestratorConfig(algo={"type": "rae", "decy": 0.9})
     with pytest.raises(ValidationError, match="opd_typo|does not match any of the expected tags"):
         OrchestratorConfig(algo={"type": "opd_typo"})
-    with pytest.raises(ValidationError, match="no environment runs grpo"):
+    with pytest.raises(ValidationError, match="no environment runs one of them"):
         OrchestratorConfig(algo={"type": "rae"}, advantage={"estimator": "rloo"})
     with pytest.raises(ValidationError, match=r"gate on \['nim'\], which run max_rl"):
         OrchestratorConfig(env=[{"id": "nim", "algo": {"type": "max_rl"}, "gate": {"type": "advantage_range"}}])

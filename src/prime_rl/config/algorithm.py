@@ -86,5 +86,63 @@ class OpdAlgo(BaseConfig):
     from its `[teacher]` section."""
 
 
-AlgoConfig = Annotated[MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | OpdAlgo | GrpoAlgo, Field(discriminator="type")]
+class SftAlgo(BaseConfig):
+    """Hard distillation: the frozen `teacher` generates the rollouts (the policy samples nothing), and the policy
+    trains with cross-entropy on the teacher's sampled tokens (the `ce` loss component). Rewards are computed and
+    logged but do not train; a teacher's rollout never goes stale."""
+
+    type: Literal["sft"] = "sft"
+    """`sft`: cross-entropy on a frozen teacher's own rollouts."""
+
+    teacher: FrozenModelConfig | None = None
+    """The model that samples (upstream: `sampling.source`), sharing the policy's tokenizer; None: the one `rl`
+    serves from its `[teacher]` section."""
+
+
+class OpsdAlgo(BaseConfig):
+    """On-policy self-distillation: the policy samples; the live policy, shown an expert demonstration of the task in
+    a leading system message, scores each sample's tokens by prefill, and the trainer minimises the per-token reverse
+    KL to that score (the `ref_kl` loss component). The teacher is the policy itself: no second model."""
+
+    type: Literal["opsd"] = "opsd"
+    """`opsd`: reverse KL to the demonstration-conditioned live policy."""
+
+    demo_key: str = "demonstration"
+    """Where the demonstration is: the task's `info[demo_key]`, else its top-level field `demo_key` (e.g. `answer`)."""
+
+    template: str = "An expert's response to the task that follows:\n{demonstration}"
+    """The system message prepended for scoring; `{demonstration}` is replaced by the demonstration's text."""
+
+
+class EchoRole(BaseConfig):
+    """Cross-entropy on one role's environment-provided tokens."""
+
+    alpha: float = Field(0.1, gt=0)
+    """The `ce` weight of each of the role's tokens (the rl tokens weigh 1 in their own term)."""
+
+
+class EchoAlgo(BaseConfig):
+    """ECHO: the grpo family's advantages on the policy's own tokens (`rl`, `[orchestrator.advantage]`), plus weighted
+    cross-entropy on tokens the environment wrote in later turns (tool results, user replies), chosen by their
+    message's role (`ce`). The policy learns to predict what its actions cause."""
+
+    type: Literal["echo"] = "echo"
+    """`echo`: grpo on actions plus ce on the chosen roles' environment tokens."""
+
+    roles: dict[Literal["system", "user", "assistant", "tool"], EchoRole] = Field(
+        default_factory=lambda: {"tool": EchoRole()}, min_length=1
+    )
+    """Roles whose environment-provided tokens train with ce, each at its `alpha` (default: tool results at 0.1)."""
+
+
+AlgoConfig = Annotated[
+    MaxRLAlgo | RaeAlgo | HierarchicalGrpoAlgo | OpdAlgo | SftAlgo | OpsdAlgo | EchoAlgo | GrpoAlgo,
+    Field(discriminator="type"),
+]
 """One of the algorithms, by `type` (grpo last: `--help` shows the last one's default)."""
+
+ESTIMATOR_ALGOS = ("grpo", "echo")
+"""Algorithms whose rollouts take the `[orchestrator.advantage]` estimator's advantages (the grpo family)."""
+
+TEACHER_ALGOS = ("opd", "sft")
+"""Algorithms that need a frozen `teacher` (`rl` serves one from `[teacher]` for those that name none)."""

@@ -16,7 +16,7 @@ from prime_rl.config import (
     ServedModelConfig,
     WeightBroadcastConfig,
 )
-from prime_rl.config.algorithm import AlgoConfig, GrpoAlgo
+from prime_rl.config.algorithm import ESTIMATOR_ALGOS, AlgoConfig, GrpoAlgo
 from prime_rl.config.curriculum import GateConfig, SamplerConfig, StandardSampler
 from prime_rl.config.optim import OptimizerConfig, SchedulerConfig
 from prime_rl.utils.monitor_config import WandbConfig
@@ -462,18 +462,21 @@ class OrchestratorConfig(EntrypointConfig):
         if any(r is None for r in ratios) and any(r is not None for r in ratios):
             raise ValueError("env ratio: set it on every environment or on none")
         algos = {self.env_algo(e.display_name).type for e in self.env}
-        if "grpo" not in algos and self.advantage != AdvantageConfig():
-            raise ValueError(f"[advantage] sets the grpo algorithm's estimator, but no environment runs grpo: {algos}")
+        if not algos & set(ESTIMATOR_ALGOS) and self.advantage != AdvantageConfig():
+            raise ValueError(
+                f"[advantage] sets the estimator of {ESTIMATOR_ALGOS}, but no environment runs one of them: {algos}"
+            )
         estimator = self.advantage.estimator
         if estimator in ("rloo", "reinforce_pp_baseline", "gpg") and self.rollouts_per_example < 2:
             # A group of one is its own baseline: every advantage would be 0.
             raise ValueError(f"advantage.estimator {estimator} needs rollouts_per_example >= 2")
-        if "opd" in algos and (self.sampling.temperature != 1 or self.sampling.temperature_scaling is not None):
+        distilled = sorted(algos & {"opd", "opsd"})
+        if distilled and (self.sampling.temperature != 1 or self.sampling.temperature_scaling is not None):
             raise ValueError(
-                "opd compares the policy's log-probs with the teacher's plain softmax: sample at temperature 1 "
-                "(sampling.temperature = 1, no temperature_scaling)"
+                f"{distilled[0]} compares the policy's log-probs with its teacher's plain softmax: sample at "
+                "temperature 1 (sampling.temperature = 1, no temperature_scaling)"
             )
-        gated_otherwise = [n for n in names if self.env_gate(n) and self.env_algo(n).type != "grpo"]
+        gated_otherwise = [n for n in names if self.env_gate(n) and self.env_algo(n).type not in ESTIMATOR_ALGOS]
         if gated_otherwise:
             raise ValueError(
                 f"an advantage_range gate on {gated_otherwise}, which run {self.env_algo(gated_otherwise[0]).type}: "

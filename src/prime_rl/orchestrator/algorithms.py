@@ -107,7 +107,7 @@ def group_advantages(
         return [rae.advantage(seat, reward) for seat, reward in zip(seats, rewards, strict=True)]
     if algo.type == "hierarchical_grpo":
         return hierarchical_advantages(seats, episodes, rewards, algo.episode_agents)
-    if algo.type == "opd":  # no reward credit: the teacher's log-probs are the signal (`ref_kl`)
+    if algo.type in ("opd", "opsd", "sft"):  # no reward credit: a teacher's log-probs or tokens are the signal
         return [0.0] * len(rewards)
     raise ValueError(f"no credit for algorithm {algo.type!r} here")
 
@@ -115,7 +115,7 @@ def group_advantages(
 def group_has_signal(algo, seats: list[str], episodes: list[int], rewards: list[float]) -> bool:
     """Whether a finished group can get a non-zero advantage under `algo` (not `grpo`), judged when it arrives
     (`filter_zero_advantage`): RAE's baselines move, so any group may."""
-    if algo.type in ("rae", "opd"):  # moving baselines; a teacher's log-probs
+    if algo.type in ("rae", "opd", "opsd", "sft"):  # moving baselines; a teacher's log-probs or tokens
         return True
     if algo.type == "max_rl":
         return any(max_rl_advantages(np.array([rewards[i] for i in idx])).any() for idx in seat_members(seats))

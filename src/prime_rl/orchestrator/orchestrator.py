@@ -26,6 +26,7 @@ import numpy as np
 from loguru import logger
 
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
+from prime_rl.config.algorithm import ESTIMATOR_ALGOS
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.models.tokenizers import load_tokenizer
 from prime_rl.orchestrator import ckpt
@@ -104,7 +105,7 @@ def batch_samples(
     singletons, offset = 0, 0
     for group in groups:
         algo = config.env_algo(group.env)
-        if algo.type != "grpo":
+        if algo.type not in ESTIMATOR_ALGOS:
             seats, episodes = [r.seat for r in group.rollouts], [r.episode for r in group.rollouts]
             rewards = [r.reward for r in group.rollouts]
             values = group_advantages(algo, seats, episodes, rewards, (rae or {}).get(group.env))

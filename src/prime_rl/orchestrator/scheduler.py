@@ -51,6 +51,7 @@ from pathlib import Path
 import msgspec
 from loguru import logger
 
+from prime_rl.config.algorithm import ESTIMATOR_ALGOS
 from prime_rl.orchestrator.advantage import group_has_signal
 from prime_rl.orchestrator.algorithms import group_has_signal as algo_has_signal
 from prime_rl.orchestrator.broadcast import TrainerGone
@@ -539,7 +540,7 @@ class Scheduler:
 
     def _has_signal(self, env: str, rollouts: list[RolloutResult], rewards: dict[str, list[float]]) -> bool:
         algo = self.config.env_algo(env)
-        if algo.type == "grpo":
+        if algo.type in ESTIMATOR_ALGOS:
             return any(group_has_signal(r, self.config.advantage.estimator) for r in rewards.values())
         seats, episodes = [r.seat for r in rollouts], [r.episode for r in rollouts]
         return algo_has_signal(algo, seats, episodes, [r.reward for r in rollouts])
