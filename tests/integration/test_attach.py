@@ -129,14 +129,22 @@ def test_eval_and_rl_attach_reset_train_and_leave_the_server_running(tied_server
 
 @pytest.mark.slow
 def test_a_run_stops_the_server_it_started_on_ctrl_c(tied_server, tmp_path):
-    """Without --attach, rl's own server is part of the run: Ctrl-C stops it with the rest, its port is free after."""
+    """Without --attach, rl's own server is part of the run: Ctrl-C stops it with the rest, its port is free after.
+    The run trains reverse-text under opsd (demonstration: the task's `answer`), which needs a policy server without
+    LoRA (vLLM's prompt log-probs crash a LoRA-enabled one, as the shared server is): at step 1 the trainer's policy is
+    the one that sampled and scored, so its reverse KL over the opsd tokens equals the orchestrator's within 1e-3."""
     srv = tied_server
     port = free_port()
     out = tmp_path / "run"
     inference = f"[inference.server]\nport = {port}\n[inference.model]\nmax_model_len = 512\nenforce_eager = true\n"
-    config = write_rl_config(tmp_path / "rl.toml", srv.base, out, 0, 500, top=inference, bottom=REVERSE_TEXT)
+    envs = REVERSE_TEXT + 'algo = { type = "opsd", demo_key = "answer" }\n'
+    config = write_rl_config(tmp_path / "rl.toml", srv.base, out, 0, 500, top=inference, bottom=envs)
     log = tmp_path / "rl.out"
     proc = rl("@", str(config), log=log)
     assert interrupt_after_step_1(proc, out, log, ("inference", "orchestrator", "trainer")) == []
+    orch, trained = run_metrics(out, "orchestrator")[0], run_metrics(out, "trainer")[0]
+    assert trained["ref_kl_tokens"] > 0 and orch["time/self_distill"] > 0 and trained["mismatch_kl"] < 1e-6
+    assert abs(orch["teacher_kl/sampler"]) < float("inf")  # finite, NaN fails too (the hint's effect: its own test)
+    assert trained["ref_kl_stream"] == pytest.approx(orch["teacher_kl/sampler"], abs=1e-3)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

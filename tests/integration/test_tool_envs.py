@@ -10,6 +10,7 @@ renderer (Qwen3's with a one-line tool list: the server's 512-token context does
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import psutil
 import pytest
 import tomli_w
 from conftest import API_KEY
-from test_rl import orchestrator_metrics, start_rl, trainer_steps, wait_rl, write_config
+from test_rl import orchestrator_metrics, start_rl, trainer_metrics, trainer_steps, wait_rl, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -120,12 +121,18 @@ def test_rl_trains_on_tool_calls_of_both_lifecycles(tied_server, tools_env_path)
     the rollouts are multi-turn with tool results in one token branch, rewards vary (the sum `add` returns), and
     the trainer takes both batches. It does not learn from them: the regex-constrained distribution the server
     samples and reports logprobs from is not the model's, so the trainer's mismatch masking drops those tokens
-    (`masked_fraction` 1.0); learning to use a tool is the bundled `calculator` environment's business."""
+    (`masked_fraction` 1.0); learning to use a tool is the bundled `calculator` environment's business.
+
+    The env runs `echo` (tool results at alpha 0.5): its rl part is grpo's, and the tool result's body, the sum `add`
+    returned, trains with ce. The tiny tokenizer spells a digit as one token, so a rollout has 1 echo token for a sum
+    under 10 and 2 for one of 10 or more, which is exactly when its reward is 1: echo_tokens = rollouts + their
+    summed reward, and the trainer's ce_tokens of the step are those tokens."""
     srv = tied_server
     out = srv.root / "rl" / "tools"
     out.mkdir(parents=True)
     env = tools_env(srv, "tools", ["add"], ["t", "s"], call("[ts]_add", r'\{"a": [1-9], "b": [1-9]\}'), turns=2, n=1)
     del env["num_examples"]
+    env["algo"] = {"type": "echo", "roles": {"tool": {"alpha": 0.5}}}
     envs = tomli_w.dumps({"orchestrator": {"env": [env]}})
     config = write_config(out.parent / "tools.toml", srv, out, k=1, steps=2, envs=envs)
     args = ["--orchestrator.model.renderer", json.dumps(RENDERER), "--orchestrator.sampling.max-tokens", "64"]
@@ -138,3 +145,8 @@ def test_rl_trains_on_tool_calls_of_both_lifecycles(tied_server, tools_env_path)
         assert m["turns/mean"] == 2 and m["metrics/tool_calls"] == 2 and m["metrics/tool_results"] == 1
         assert m["metrics/branches"] == 1 and m["metrics/tool_errors"] == 0
     assert any(m["reward/std"] > 0 for m in rows)  # the sums differ: a learning signal
+    trained = {t["step"]: t for t in trainer_metrics(out)}
+    for m in rows:
+        assert m["echo_tokens"] == m["rollouts"] + round(m["rollouts"] * m["reward/mean"]), m
+        assert trained[m["step"]]["ce_tokens"] == m["echo_tokens"], (trained[m["step"]], m)
+        assert 0 < trained[m["step"]]["ce_loss"] < math.inf  # 0.5 x -log pi of the digits, per ce token

@@ -22,3 +22,21 @@ class RecordingWorkers:
 
     async def submit(self, request):
         self.requests.append(request)
+
+
+class PoolServers(StandInServers):
+    """The one server is healthy and takes new groups (`least_loaded`)."""
+
+    recovering = False
+
+    def least_loaded(self):
+        return "u"
+
+
+class FourTasks:
+    """A finite taskset of four tasks, each its index as data."""
+
+    size = 4
+
+    def __getitem__(self, idx):
+        return {"i": idx}

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from scheduler_stand_ins import RecordingWorkers, StandInServers
+from scheduler_stand_ins import FourTasks, PoolServers, RecordingWorkers
 
 from prime_rl.config.curriculum import AdvantageRangeGate
 from prime_rl.orchestrator.config import AdvantageConfig, OrchestratorConfig
@@ -68,20 +68,6 @@ def test_only_trained_rollouts_are_judged():
     assert not rejects(gate(0.0, 0.5), group, AdvantageConfig(), False)
 
 
-class Servers(StandInServers):
-    recovering = False
-
-    def least_loaded(self):
-        return "u"
-
-
-class Tasks:
-    size = 4
-
-    def __getitem__(self, idx):
-        return {"i": idx}
-
-
 def test_a_rejected_group_is_counted_and_replaced():
     """Two groups in flight (batch 4, groups of 2). Group 0 ends with rewards 1, 0.5 (advantages +-0.25, inside
     the band [-0.25, 0.25]): rejected, counted, and the next top-up starts one replacement, group 2. Group 1 ends
@@ -96,7 +82,7 @@ def test_a_rejected_group_is_counted_and_replaced():
         env=[{"id": "e", "gate": {"type": "advantage_range", "low": -0.25, "high": 0.25}}],  # fmt: skip
     )
     workers = RecordingWorkers()
-    scheduler = Scheduler(config, Buffer(BufferConfig(), {"e": 4}), {"e": Tasks()}, Servers(), workers)
+    scheduler = Scheduler(config, Buffer(BufferConfig(), {"e": 4}), {"e": FourTasks()}, PoolServers(), workers)
     asyncio.run(scheduler.top_up(1))
     assert [r.id for r in workers.requests] == [0, 1]
     scheduler.on_done(GroupDone(id=0, rollouts=[rollout(1.0), rollout(0.5)]))
@@ -114,7 +100,9 @@ def test_without_a_gate_the_same_group_is_accepted():
     from prime_rl.orchestrator.scheduler import Group, Scheduler
 
     config = OrchestratorConfig(batch_size=4, rollouts_per_example=2, env=[{"id": "e"}])
-    scheduler = Scheduler(config, Buffer(BufferConfig(), {"e": 4}), {"e": Tasks()}, Servers(), RecordingWorkers())
+    scheduler = Scheduler(
+        config, Buffer(BufferConfig(), {"e": 4}), {"e": FourTasks()}, PoolServers(), RecordingWorkers()
+    )
     assert scheduler.gates == {}
     asyncio.run(scheduler._submit(Group(0, "e", 0, {}, 0, "u")))
     scheduler.on_done(GroupDone(id=0, rollouts=[rollout(1.0), rollout(0.5)]))

@@ -16,7 +16,7 @@ from prime_rl.orchestrator.algorithms import (
 )
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.orchestrator.messages import RolloutResult
-from prime_rl.orchestrator.orchestrator import batch_samples, teacher_of, teacher_sampler_kl
+from prime_rl.orchestrator.orchestrator import batch_samples, teacher_sampler_kl
 from prime_rl.orchestrator.teacher import TeacherError, parse_prompt_logprobs
 
 
@@ -173,7 +173,7 @@ def test_an_opd_sample_trains_its_sampled_tokens_towards_the_teacher():
 def test_opd_needs_a_teacher_and_temperature_one():
     alone = OrchestratorConfig(algo={"type": "opd"})  # `rl` may still fill it from its [teacher]
     with pytest.raises(ValueError, match="reverse-text: algo opd needs a teacher"):
-        teacher_of(alone, "reverse-text")
+        alone.env_teacher("reverse-text")
     with pytest.raises(ValidationError, match="sample at temperature 1"):
         OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}, sampling={"temperature": 0.7})
     assert group_has_signal(OrchestratorConfig(algo={"type": "opd", "teacher": TEACHER}).algo, ["a"], [0], [0.0])
@@ -201,6 +201,6 @@ def test_rl_points_opd_at_the_teacher_it_serves(tmp_path):
     other = model_dir(tmp_path / "other", '{"v": 2}')
     with pytest.raises(ValidationError, match=r"the tokenizer of .*other.* differs from the policy's"):
         RLConfig(model={"name": policy}, inference={}, orchestrator=orch, teacher={"model": other})
-    with pytest.raises(ValidationError, match="no environment runs algo opd"):
+    with pytest.raises(ValidationError, match="no environment runs opd or sft without a teacher"):
         RLConfig(model={"name": policy}, inference={}, teacher={"model": teacher})
     assert tokenizer_mismatch("Qwen/Qwen3-0.6B", policy) is None  # a hub id: checked on the teacher's server

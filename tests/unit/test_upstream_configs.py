@@ -287,3 +287,35 @@ def test_upstream_training_algorithms_load_as_ours(tmp_path):
     path.write_text('[orchestrator.algo]\ntype = "max_rl"\nsampling = { source = { name = "t", base_url = "u" } }\n')
     with pytest.raises(ConfigError, match="sampling from another model than the policy"):
         read(path, "rl")
+
+
+def test_upstream_distillation_and_echo_load_as_ours(tmp_path):
+    """sft's `sampling.source` is our sft `teacher` (its one-URL list a URL); opsd's and echo's fields are ours as
+    spelled, opsd's auto renderer is left out (the policy's chat template renders the demonstration); what we lack
+    is refused."""
+    config, notes = read(CORPUS / "current" / "rl_algo_sft.toml", "rl")
+    teacher = config.orchestrator.algo.teacher
+    assert (config.orchestrator.algo.type, teacher.name, teacher.base_url) == (
+        "sft",
+        "Qwen/Qwen3-8B",
+        "http://teacher:8000/v1",
+    )
+    assert any("`orchestrator.algo.sampling.source` -> `orchestrator.algo.teacher`" in n for n in notes)
+    path = tmp_path / "rl.toml"
+    path.write_text('[orchestrator.algo]\ntype = "opsd"\ndemo_key = "answer"\ntemplate = "Expert: {demonstration}"\n'
+                    'renderer = "auto"\n[orchestrator.sampling]\ntemperature = 1.0\n')  # fmt: skip
+    config, notes = read(path, "rl")
+    algo = config.orchestrator.algo
+    assert (algo.type, algo.demo_key, algo.template) == ("opsd", "answer", "Expert: {demonstration}")
+    assert any("renderer` = 'auto' left out" in n for n in notes)
+    path.write_text('[orchestrator.algo]\ntype = "echo"\nroles = { tool = { alpha = 0.2 }, user = { alpha = 0.05 } }\n')
+    algo = read(path, "rl")[0].orchestrator.algo
+    assert algo.type == "echo" and {role: r.alpha for role, r in algo.roles.items()} == {"tool": 0.2, "user": 0.05}
+    path.write_text('[orchestrator.algo]\ntype = "echo"\nfilter = { import_path = "m.f" }\n')
+    with pytest.raises(ConfigError, match="a user filter on echo's tokens"):
+        read(path, "rl")
+    path.write_text('[orchestrator.algo]\ntype = "echo"\nlength_weighted_baseline = true\n')
+    assert read(path, "rl")[0].orchestrator.advantage.estimator == "opo"  # echo's rl part is grpo's
+    path.write_text('[orchestrator.algo]\ntype = "debug"\n')
+    with pytest.raises(ConfigError, match="the `debug` algorithm is not supported"):
+        read(path, "rl")

@@ -16,7 +16,7 @@ from prime_rl.config import (
     ServedModelConfig,
     WeightBroadcastConfig,
 )
-from prime_rl.config.algorithm import ESTIMATOR_ALGOS, AlgoConfig, GrpoAlgo
+from prime_rl.config.algorithm import ESTIMATOR_ALGOS, AlgoConfig, FrozenModelConfig, GrpoAlgo
 from prime_rl.config.curriculum import GateConfig, SamplerConfig, StandardSampler
 from prime_rl.config.optim import OptimizerConfig, SchedulerConfig
 from prime_rl.utils.monitor_config import WandbConfig
@@ -543,6 +543,17 @@ class OrchestratorConfig(EntrypointConfig):
         """The training algorithm of environment `env` (its display name): its own, else the run's."""
         own = next((e.algo for e in self.env if e.display_name == env), None)
         return own if own is not None else self.algo
+
+    def env_teacher(self, env: str) -> FrozenModelConfig:
+        """The frozen teacher of environment `env`'s opd or sft algorithm; an error naming the fix where it has none
+        (`rl` fills it from `[teacher]`)."""
+        algo = self.env_algo(env)
+        teacher = getattr(algo, "teacher", None)
+        if teacher is None:
+            raise ValueError(
+                f"{env}: algo {algo.type} needs a teacher: `algo.teacher = {{name, base_url}}`, or `[teacher]` in rl"
+            )
+        return teacher
 
     def env_sampler(self, env: str) -> SamplerConfig:
         """The task sampler of environment `env` (its display name): its own, else `buffer.sampler`."""

@@ -438,7 +438,7 @@ def _orchestrator(t: Translator, at: Key) -> None:
     )
 
 
-ALGORITHMS_HERE = ("grpo", "max_rl", "rae", "hierarchical_grpo", "opd")
+ALGORITHMS_HERE = ("grpo", "max_rl", "rae", "hierarchical_grpo", "opd", "sft", "opsd", "echo")
 """Upstream's `algo.type`s we run (config/algorithm.py), spelled as upstream spells them."""
 
 
@@ -452,8 +452,16 @@ def _algo(t: Translator, at: Key) -> None:
         return
     kind = value.get("type", "grpo")
     if kind not in ALGORITHMS_HERE:
-        t.refuse(algo, f"the `{kind}` algorithm (hard or self-distillation, echo) is not supported yet")
+        t.refuse(algo, f"the `{kind}` algorithm is not supported")
         return
+    if kind == "sft" and isinstance(t.get(algo + ("sampling", "source")), dict):
+        t.rename(algo + ("sampling", "source"), algo + ("teacher",), why="sft's teacher is the model that samples")
+        t.leave_out(algo + ("sampling",), "empty", when=lambda v: v == {})
+    if kind == "opsd":
+        t.leave_out(algo + ("renderer",), "the policy's chat template renders the demonstration", when=_auto_renderer)
+        t.refuse(algo + ("renderer",), "a renderer for opsd's demonstration other than the policy's chat template")
+    if kind == "echo":
+        t.refuse(algo + ("filter",), "a user filter on echo's tokens")
     urls = t.get(algo + ("teacher", "base_url"))
     if isinstance(urls, list) and len(urls) == 1:
         t.rename(algo + ("teacher", "base_url"), algo + ("teacher", "base_url"), convert=lambda v: v[0], why="one URL")
@@ -461,7 +469,7 @@ def _algo(t: Translator, at: Key) -> None:
         t.refuse(algo + ("teacher", "base_url"), "a teacher behind several URLs (ours: one endpoint)")
     t.leave_out(algo + ("sampling",), "the policy samples", when=lambda v: v in ({}, {"source": "policy"}))
     t.refuse(algo + ("sampling",), "sampling from another model than the policy")
-    if kind != "grpo":
+    if kind not in ("grpo", "echo"):
         return
     t.leave_out(algo + ("length_weighted_baseline",), "our default", when=lambda v: v is False)
     t.rename(
@@ -479,6 +487,10 @@ def _algo(t: Translator, at: Key) -> None:
         ("length_penalty", "a length penalty on rewards"),
     ):
         t.refuse(algo + (name,), feature)
+
+
+def _auto_renderer(value) -> bool:
+    return value in ("auto", {}, {"type": "auto"}) or (isinstance(value, dict) and value.get("type") == "auto")
 
 
 def _common(t: Translator, at: Key) -> None:

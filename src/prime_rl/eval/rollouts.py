@@ -173,7 +173,7 @@ def start_inference(name: str, config: RolloutsConfig, weight_paths: list[Path])
     key = inference.server.api_key
     token = key.get_secret_value() if key is not None else new_secret()
     env = {k: v for k, v in os.environ.items() if k not in KEY_VARS and k != config.client.api_key_var}
-    hold_token(config.client.api_key_var, token)
+    hold_token({config.client.api_key_var: token})
     log_dir = config.output_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     keys = RunKeys(http=token)
@@ -200,7 +200,7 @@ def attach_inference(config: RolloutsConfig, weight_paths: list[Path]):
     except AttachError:
         lock.close()
         raise
-    hold_token(config.client.api_key_var, card.http)
+    hold_token({config.client.api_key_var: card.http})
     logger.info(f"attached to the inference server at {card.url} (pid {card.pid}; it served {before}, now the base)")
     return lock
 

@@ -26,7 +26,7 @@ import numpy as np
 from loguru import logger
 
 from prime_rl.batch import TrainingBatch, TrainingSample, batch_path, write_batch
-from prime_rl.config.algorithm import ESTIMATOR_ALGOS
+from prime_rl.config.algorithm import ESTIMATOR_ALGOS, TEACHER_ALGOS
 from prime_rl.config.loader import load_config, write_resolved_config
 from prime_rl.models.tokenizers import load_tokenizer
 from prime_rl.orchestrator import ckpt
@@ -40,9 +40,11 @@ from prime_rl.orchestrator.algorithms import RaeBaselines, group_advantages
 from prime_rl.orchestrator.broadcast import BroadcastClient
 from prime_rl.orchestrator.buffer import Buffer
 from prime_rl.orchestrator.config import LogExtrasConfig, OrchestratorConfig
+from prime_rl.orchestrator.echo import echo_metrics, echo_weights
 from prime_rl.orchestrator.envs import EnvTasks, check_prompts_fit, load_tasks
 from prime_rl.orchestrator.evals import OnlineEvals, load_eval_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
+from prime_rl.orchestrator.self_distill import SelfDistiller
 from prime_rl.orchestrator.servers import InferenceServers
 from prime_rl.orchestrator.teacher import TeacherClient
 from prime_rl.orchestrator.temperature import TemperatureController
@@ -130,32 +132,31 @@ def batch_samples(
     where = [(g, r) for g, group in enumerate(groups) for r in range(len(group.rollouts))]
     for (group, rollout), advantage, (g, r) in zip(rollouts, advantages, where, strict=True):
         masked = config.mask_truncated_completions and rollout.truncated
+        algo = config.env_algo(group.env)
+        imitated = algo.type == "sft"  # a teacher sampled it: ce on its tokens, no policy
         for i, s in enumerate(rollout.samples):
             versions = sorted({v for v in s.versions if v >= 0}) or [group.start_version]
             mask = [False] * len(s.loss_mask) if masked else s.loss_mask
             ref = (refs or {}).get((g, r, i))
+            policy_gradient = ref is None and not imitated
             samples.append(
                 TrainingSample(
                     token_ids=s.token_ids,
-                    loss_mask=mask if ref is None else [False] * len(mask),
+                    loss_mask=mask if policy_gradient else [False] * len(mask),
                     inference_logprobs=s.logprobs,
                     advantages=[advantage] * len(s.token_ids),
-                    temperature=rollout.temperature or group.temperature or config.sampling.temperature,
-                    policy_versions=versions,
+                    # ce fits the policy's plain softmax to the teacher's tokens, whatever temperature it sampled at
+                    temperature=1.0
+                    if imitated
+                    else rollout.temperature or group.temperature or config.sampling.temperature,
+                    policy_versions=[] if imitated else versions,
                     reward=rollout.reward,
+                    ce_weights=[float(m) for m in mask] if imitated else [] if masked else echo_weights(s, algo),
                     ref_logprobs=ref or [],
                     ref_kl_mask=mask if ref is not None else [],
                 )
             )
     return samples, advantages, singletons
-
-
-def teacher_of(config: OrchestratorConfig, env: str):
-    """The teacher of `env`'s opd algorithm; an error naming the fix without one (`rl` fills it from `[teacher]`)."""
-    teacher = config.env_algo(env).teacher
-    if teacher is None:
-        raise ValueError(f"{env}: algo opd needs a teacher: `algo.teacher = {{name, base_url}}`, or `[teacher]` in rl")
-    return teacher
 
 
 async def score_with_teachers(
@@ -238,6 +239,8 @@ def batch_metrics(
     }
     for i, url in enumerate(urls):
         metrics[f"groups_started/server_{i}"] = stats.groups_per_server.get(url, 0)
+    if sampled_by_teachers := sum(n for url, n in stats.groups_per_server.items() if url not in urls):
+        metrics["groups_started/teacher"] = sampled_by_teachers  # sft's groups
     metrics["groups_started/gated"] = stats.gated
     metrics["groups_in_flight/peak"] = stats.peak_inflight
     for env in sorted({g.env for g in groups}):
@@ -325,6 +328,7 @@ async def orchestrate(config: OrchestratorConfig) -> None:
     workers.launch()
     lag_task = servers = monitor = None
     teachers: dict[str, TeacherClient] = {}
+    distiller: SelfDistiller | None = None
     exit_code = 1
     sigterm = SigtermCancels()  # how `rl` stops us: the cleanup below runs, and main() says "stopped"
     try:
@@ -340,7 +344,13 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             TemperatureController(config.sampling, list(tasks)) if config.sampling.temperature_scaling else None
         )
         rae = {env: RaeBaselines(algo.decay) for env in tasks if (algo := config.env_algo(env)).type == "rae"}
-        teachers = {env: TeacherClient(teacher_of(config, env)) for env in tasks if config.env_algo(env).type == "opd"}
+        teachers = {  # opd's score samples; sft's sample (the scheduler calls them through the workers)
+            env: TeacherClient(config.env_teacher(env), config.client.api_key_var)
+            for env in tasks
+            if config.env_algo(env).type in TEACHER_ALGOS
+        }
+        scorers = {env: teacher for env, teacher in teachers.items() if config.env_algo(env).type == "opd"}
+        distiller = SelfDistiller.for_run(config, tasks)  # opsd: None without such an env; checks demonstrations
         progress = ckpt.Progress()
         resuming = config.ckpt is not None and config.ckpt.resuming
         if resuming:
@@ -416,8 +426,12 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             collect_seconds = time.perf_counter() - start
             baselines = {env: baseline.value(env) for env in tasks} if baseline is not None else None
             scored = time.perf_counter()
-            refs = await score_with_teachers(groups, teachers) if teachers else None
+            refs = await score_with_teachers(groups, scorers) if scorers else None
             scored = time.perf_counter() - scored
+            distilled = time.perf_counter()
+            if distiller is not None:  # opsd: the live policy's log-probs under the demonstration hint
+                refs = (refs or {}) | await distiller.score(groups, servers)
+            distilled = time.perf_counter() - distilled
             samples, advantages, singletons = batch_samples(groups, config, baselines, rae, refs)
             if baseline is not None:
                 baseline.update(batch_mean_rewards(groups))
@@ -444,13 +458,16 @@ async def orchestrate(config: OrchestratorConfig) -> None:
                 {"advantage/mean_abs": statistics.fmean(abs(a) for a in advantages), "policy": servers.version}
             )
             metrics.update({"progress/tokens": progress.tokens, "progress/samples": progress.samples})
+            metrics.update(echo_metrics(groups, samples, config))
             if baselines is not None:  # the baseline this batch used
                 metrics.update({f"advantage/baseline/{env}": b for env, b in baselines.items()})
             metrics.update({f"rae/{env}/{seat}/baseline": v for env, b in rae.items() for seat, v in b.values.items()})
-            if teachers:
+            if scorers:
                 metrics["time/teacher"] = scored
-                if (kl := teacher_sampler_kl(samples)) is not None:
-                    metrics["teacher_kl/sampler"] = kl
+            if distiller is not None:
+                metrics["time/self_distill"] = distilled
+            if (scorers or distiller is not None) and (kl := teacher_sampler_kl(samples)) is not None:
+                metrics["teacher_kl/sampler"] = kl
             if temperatures is not None:
                 metrics.update(temperatures.metrics())
             if step % config.log_extras.interval == 0:
@@ -483,6 +500,8 @@ async def orchestrate(config: OrchestratorConfig) -> None:
             await servers.close(finished=exit_code == 0)
         for teacher in teachers.values():
             await teacher.close()
+        if distiller is not None:
+            await distiller.close()
         if monitor is not None:
             monitor.close(exit_code)
         lock.release()

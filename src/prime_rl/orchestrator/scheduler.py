@@ -25,7 +25,8 @@ reports them, else the policy served when the group started (always in adapter m
 the base weights' version). Its requests name the model of the policy it started on: in adapter mode the base model
 for step 0, the run's adapter after. Finished groups that are too old for the batch
 they would land in (longer than expected in flight) are dropped, as are groups spanning more than
-`max_off_policy_steps` updates.
+`max_off_policy_steps` updates. A group of an `sft` environment is sampled by its frozen teacher instead (`frozen`):
+it goes to the teacher's URL, waits for no policy, is no policy server's load and never goes stale.
 
 Online evals (`evals.OnlineEvals`, when configured) run beside the training groups, in the same workers: a pass starts
 when the servers first serve a policy it is due at (at k = 0 once the batch sampled on it is complete, so it runs
@@ -107,16 +108,19 @@ class Group:
     """The temperature the group was (last) started at by the temperature scaling; None: `sampling.temperature`."""
     gate: int | None = None
     """The policy step its model calls wait for (started before the servers served it); None: none."""
+    frozen: bool = False
+    """Sampled by a frozen teacher (`sft`), not the policy: no policy version, never stale, not a policy server's
+    load; `url` is the teacher's."""
 
     @property
     def version(self) -> int:
         """Oldest policy step behind any sampled token (vLLM's per-token report, else the start version)."""
-        known = [v for r in self.rollouts for s in r.samples for v in s.versions if v >= 0]
+        known = [] if self.frozen else [v for r in self.rollouts for s in r.samples for v in s.versions if v >= 0]
         return min(known, default=self.start_version)
 
     @property
     def newest_version(self) -> int:
-        known = [v for r in self.rollouts for s in r.samples for v in s.versions if v >= 0]
+        known = [] if self.frozen else [v for r in self.rollouts for s in r.samples for v in s.versions if v >= 0]
         return max(known, default=self.start_version)
 
 
@@ -232,6 +236,8 @@ class Scheduler:
         self.temperatures, self.evals = temperatures, evals
         self.gates = {e.display_name: g for e in config.env if (g := config.env_gate(e.display_name)) is not None}
         """Each gated environment's admission gate (`gate.py`)."""
+        self.teachers = {env: config.env_teacher(env) for env in tasks if config.env_algo(env).type == "sft"}
+        """The frozen model that samples each `sft` environment's groups, in place of the policy."""
         self.oldest = 0
         """The oldest policy the batch being collected accepts."""
         self.k = config.max_async_level
@@ -420,14 +426,20 @@ class Scheduler:
             start_version = self.servers.version if gate is None else gate
             if self.retry_queue:
                 group = self.retry_queue.pop(0)
-                group.start_version, group.url, group.attempts = start_version, url, group.attempts + 1
+                group.start_version, group.attempts = start_version, group.attempts + 1
                 group.rollouts, group.started, group.gate = [], time.perf_counter(), gate
+                if not group.frozen:
+                    group.url = url
                 self.stats.retries += 1
             else:
                 env, idx = self.buffer.sample_task()
                 tasks = self.tasks[env]
                 task = tasks.next() if tasks.size is None else tasks[idx]
                 group = Group(next(self.ids), env, idx, task, start_version, url, gate=gate)
+                if env in self.teachers:
+                    group.url, group.frozen = self.teachers[env].base_url, True
+            if group.frozen:  # a teacher's calls wait for no policy
+                group.start_version, group.gate = self.servers.version, None
             await self._submit(group)
 
     async def announce_policy(self) -> None:
@@ -453,7 +465,8 @@ class Scheduler:
         self.inflight[group.id] = group
         self.stats.peak_inflight = max(self.stats.peak_inflight, len(self.inflight))
         self.peak_inflight = max(self.peak_inflight, len(self.inflight))
-        self.servers.load[group.url] += 1
+        if not group.frozen:
+            self.servers.load[group.url] += 1
         self.stats.groups_per_server[group.url] = self.stats.groups_per_server.get(group.url, 0) + 1
         self.stats.gated += group.gate is not None
         if self.temperatures is not None:
@@ -464,7 +477,9 @@ class Scheduler:
             task=group.task,
             n=self.config.rollouts_per_example,
             base_url=group.url,
-            model=self.servers.model_name(group.start_version, self.config.model.api_name),
+            model=self.teachers[group.env].name
+            if group.frozen
+            else self.servers.model_name(group.start_version, self.config.model.api_name),
             temperature=group.temperature,
             policy_gate=group.gate,
         )
@@ -472,12 +487,16 @@ class Scheduler:
 
     def on_done(self, done: GroupDone) -> None:
         group = self.inflight.pop(done.id)
-        self.servers.load[group.url] -= 1
+        if not group.frozen:
+            self.servers.load[group.url] -= 1
         self.stats.worker_loop_lag = max(self.stats.worker_loop_lag, done.loop_lag)
         failed = [r for r in done.rollouts if r.retryable]
         if failed:
             self.stats.errors += len(failed)
-            self.servers.mark_failed(group.url, failed[0].error or "generation failed")
+            if group.frozen:  # the teacher is not one of the pool's servers: retried as it is
+                logger.warning(f"teacher {group.url} failed a group of {group.env}: {failed[0].error}")
+            else:
+                self.servers.mark_failed(group.url, failed[0].error or "generation failed")
             if group.attempts <= self.config.max_retries:
                 self.retry_queue.append(group)
             else:
@@ -558,7 +577,7 @@ class Scheduler:
         """Groups for `batch`: at least `batch_size` trained rollouts, each started on a policy the bound allows."""
         await self.adapt_inflight()
         self.oldest = oldest = min_policy_for(batch, self.k)
-        usable = [g for g in self.finished if g.version >= oldest]
+        usable = [g for g in self.finished if g.frozen or g.version >= oldest]  # a teacher's never age
         self.stats.dropped_stale += len(self.finished) - len(usable)
         self.finished = usable
         while trained_rollouts(self.finished) < self.config.batch_size:

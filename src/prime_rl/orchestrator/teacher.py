@@ -10,6 +10,7 @@ is why it must share the policy's tokenizer (`check_tokenizer`). Requests carry 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 
@@ -41,12 +42,21 @@ def parse_prompt_logprobs(token_ids: list[int], prompt_logprobs: list) -> list[f
     return values
 
 
-class TeacherClient:
-    """Requests to one teacher, at most `max_concurrency` at once."""
+def teacher_token(teacher: FrozenModelConfig, client_var: str) -> str | None:
+    """The bearer token for `teacher`: its `api_key_var`'s value. Only a teacher that shares the policy servers'
+    variable (`client_var`: the one `rl` serves, which holds the run's token) falls back to the run's token: the run's
+    token is never sent to an endpoint of someone else's."""
+    if teacher.api_key_var == client_var:
+        return client_token(client_var)
+    return os.environ.get(teacher.api_key_var) or None
 
-    def __init__(self, config: FrozenModelConfig):
+
+class TeacherClient:
+    """Requests to one teacher, at most `max_concurrency` at once; `client_var`: the policy servers' key variable."""
+
+    def __init__(self, config: FrozenModelConfig, client_var: str):
         self.config = config
-        key = client_token(config.api_key_var)  # its variable, else the run's token (a teacher `rl` serves)
+        key = teacher_token(config, client_var)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limits = httpx.Limits(
             max_connections=config.max_concurrency,

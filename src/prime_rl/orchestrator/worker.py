@@ -93,6 +93,9 @@ class Worker:
                 "renderer_model_name": config.model.name,
             }
         self.clients = {url: client_cls(base_url=url, **client_args) for url in config.client.base_url}
+        for teacher in sampling_teachers(config):  # `sft`: a frozen teacher samples, through the same token route
+            self.clients[teacher.base_url] = client_cls(**(client_args | {"api_key_var": teacher.api_key_var}),
+                                                        base_url=teacher.base_url)  # fmt: skip
         # By the name groups give: the training environments and, in the orchestrator, its online evals' (`eval/x`),
         # each with its own sampling; only a training environment's traces are judged for training.
         rollout_envs = config.rollout_envs()
@@ -252,24 +255,42 @@ async def _serve(config, index: int, address: str, proof: bytes) -> None:
     context.term()
 
 
-def hold_token(api_key_var: str, token: str | None) -> None:
-    """Where verifiers' clients look for the servers' token (they read `api_key_var` from the environment on every
+def sampling_teachers(config) -> list:
+    """The frozen teachers that sample an environment's groups in place of the policy (`sft`); a training
+    orchestrator's config only (eval and synthesize have no algorithms)."""
+    if not hasattr(config, "env_algo"):
+        return []
+    return [config.env_teacher(e.display_name) for e in config.env if config.env_algo(e.display_name).type == "sft"]
+
+
+def worker_tokens(config) -> dict[str, str]:
+    """Key variable -> token of every endpoint the rollouts call: the policy servers', and each sampling teacher's
+    (`teacher_token`: a teacher of another variable never gets the run's token)."""
+    from prime_rl.orchestrator.teacher import teacher_token
+
+    var = config.client.api_key_var
+    tokens = {t.api_key_var: teacher_token(t, var) for t in sampling_teachers(config)}
+    return {name: token for name, token in (tokens | {var: client_token(var)}).items() if token}
+
+
+def hold_token(tokens: dict[str, str]) -> None:
+    """Where verifiers' clients look for the servers' tokens (they read `api_key_var` from the environment on every
     request), set after this process started: it is not in the block `/proc/<pid>/environ` shows, and verifiers'
     subprocess runtime passes no variable named `*API_KEY*` to the programs it runs (`rl` picks such a name)."""
-    if token:
-        os.environ[api_key_var] = token
+    os.environ.update(tokens)
 
 
 def worker_main(
-    config_json: str, index: int, address: str, log_dir: str | None, level: str, proof: bytes, token: str | None
+    config_json: str, index: int, address: str, log_dir: str | None, level: str, proof: bytes, tokens: dict[str, str]
 ) -> None:
-    """Entry point of a spawned worker process; `proof`: the orchestrator's channel token (`Ready.proof`), `token`:
-    the servers' bearer token (spawn arguments: they reach the worker through the spawn pipe, never by environment)."""
+    """Entry point of a spawned worker process; `proof`: the orchestrator's channel token (`Ready.proof`), `tokens`:
+    the servers' bearer tokens by key variable (spawn arguments: they reach the worker through the spawn pipe, never
+    by environment)."""
     from prime_rl.orchestrator.config import OrchestratorConfig
     from prime_rl.utils.logging import setup_logging
 
     config = OrchestratorConfig.model_validate_json(config_json)
-    hold_token(config.client.api_key_var, token)
+    hold_token(tokens)
     setup_logging(f"orchestrator_worker_{index}", level, Path(log_dir) if log_dir else None, console_level="warning")
     install_worker_patches(level)
     try:
@@ -306,13 +327,13 @@ class RolloutWorkers:
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         spawn = multiprocessing.get_context("spawn")
         config_json = config.model_dump_json()
-        token = client_token(config.client.api_key_var)
+        tokens = worker_tokens(config)
         self.proof = secrets.token_bytes(32)
         address, logs = f"tcp://127.0.0.1:{port}", str(log_dir) if log_dir else None
         self.processes = [
             spawn.Process(
                 target=worker_main,
-                args=(config_json, i, address, logs, level, self.proof, token),
+                args=(config_json, i, address, logs, level, self.proof, tokens),
                 name=f"rollout-worker-{i}",
                 daemon=True,
             )
@@ -436,7 +457,7 @@ class InProcessWorker:
         """Nothing to spawn: the environments load in `ready`."""
 
     async def ready(self) -> None:
-        hold_token(self.config.client.api_key_var, client_token(self.config.client.api_key_var))
+        hold_token(worker_tokens(self.config))
         install_worker_patches(self.level)
         POLICY_GATE.reset()  # a process may run several orchestrators in turn (tests do)
         self.worker = Worker(self.config, 0, training=True)

@@ -18,7 +18,14 @@ from prime_rl.rl.attach import attach_server
 from prime_rl.rl.bench import metrics_size, print_bench_table
 from prime_rl.rl.config import RLConfig
 from prime_rl.rl.deploy import host_tag, publish_run, seed_environment, wait_for_run
-from prime_rl.rl.preflight import check_environments, check_model_exists, claim_output_dir, fail, provide_keys
+from prime_rl.rl.preflight import (
+    check_environments,
+    check_model_exists,
+    check_server_ports,
+    claim_output_dir,
+    fail,
+    provide_keys,
+)
 from prime_rl.rl.processes import inference_process, orchestrators
 from prime_rl.rl.resume import clean_stale_outputs, resolve_resume, resolve_run_resumes
 from prime_rl.rl.slurm import submit
@@ -46,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         names.add(config.inference.model.name)
     for name in names:
         check_model_exists(name)
+    check_server_ports(config)
     tag = host_tag(config)
     orchs = orchestrators(config) if "orchestrator" in roles else {}
     writers = ["orchestrator"] if "orchestrator" in roles and not config.runs else []

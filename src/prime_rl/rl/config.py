@@ -23,7 +23,7 @@ from prime_rl.config import (
     ModelConfig,
     WeightBroadcastConfig,
 )
-from prime_rl.config.algorithm import FrozenModelConfig
+from prime_rl.config.algorithm import TEACHER_ALGOS, FrozenModelConfig
 from prime_rl.config.loader import deep_merge, fill_discriminators, load_toml
 from prime_rl.inference.config import VLLM_LORA_RANKS, InferenceConfig
 from prime_rl.inference.config import LoRAConfig as ServedLoRAConfig
@@ -389,20 +389,23 @@ class RLConfig(EntrypointConfig):
         return configs
 
     def _teacher(self) -> None:
-        """Point every opd environment without a teacher at the one `[teacher]` serves (on this host, the run's token),
-        after checking that the two models have one tokenizer."""
-        orch = self.orchestrator
-        algos = [orch.algo] + [e.algo for e in orch.env if e.algo is not None]
-        waiting = [a for a in algos if a.type == "opd" and a.teacher is None]
+        """Point every opd or sft environment without a teacher at the one `[teacher]` serves (on this host, the run's
+        token), after checking that the two models have one tokenizer."""
         if self.teacher is None:
             return
+        orch = self.orchestrator
+        algos = [orch.algo] + [e.algo for e in orch.env if e.algo is not None]
+        waiting = [a for a in algos if a.type in TEACHER_ALGOS and a.teacher is None]
         if not waiting:
-            raise ValueError("[teacher]: no environment runs algo opd without a teacher of its own; remove [teacher]")
+            raise ValueError(
+                f"[teacher]: no environment runs {' or '.join(TEACHER_ALGOS)} without a teacher of its own; "
+                "remove [teacher]"
+            )
         if self.runs or not self.deployment.single_host or self.inference is None:
             raise ValueError("[teacher] is served on this host with the settings of [inference], for one run")
         problem = tokenizer_mismatch(orch.model.name, self.teacher.model)
         if problem:
-            raise ValueError(f"[teacher] {problem}: opd compares the two models token by token")
+            raise ValueError(f"[teacher] {problem}: the policy trains on the teacher's tokens or log-probs as they are")
         if self.teacher.port is None:
             self.teacher.port = free_port()
         teacher = FrozenModelConfig(

@@ -15,6 +15,7 @@ from pathlib import Path
 from prime_rl.orchestrator.config import OrchestratorConfig
 from prime_rl.rl.config import RLConfig
 from prime_rl.utils.locks import OutputDirBusy, OutputDirLock, check_free
+from prime_rl.utils.net import port_in_use
 from prime_rl.utils.secret import SECRET_VAR, RunKeys, SecretError, derive_keys, new_secret, take_keys
 
 
@@ -32,6 +33,24 @@ def check_model_exists(name: str) -> None:
     local_looking = name.startswith(("/", ".", "~")) or Path(name.split("/")[0]).is_dir()
     if local_looking or os.environ.get("HF_HUB_OFFLINE") == "1":
         fail(f"model directory {name!r} does not exist (build it, e.g. `uv run tiny-model --output {name}`)")
+
+
+def check_server_ports(config: RLConfig) -> None:
+    """The ports of the servers `rl` will start (the policy's, `[teacher]`'s) must be free now: a server already there
+    (another run's, an attachable one) would answer our health check before ours fails to bind, and the run would talk
+    to it (a 401 at best)."""
+    if config.attach or config.inference is None or "inference" not in config.deployment.roles:
+        return
+    host = config.inference.server.host
+    ports = [("[inference.server] port", config.inference.server.port)]
+    if config.teacher is not None:
+        ports.append(("[teacher] port", config.teacher.port))
+    for what, port in ports:
+        if port is not None and port_in_use(host, port):
+            fail(
+                f"{what} {port} on {host} is in use by another process (a server of another run?): choose a free "
+                "one, or attach to a running server of yours with --attach"
+            )
 
 
 def check_environments(orchestrators: list[OrchestratorConfig]) -> None:
