@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from prime_rl.utils.bench import hold_timing_lock
+from prime_rl.utils.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -80,6 +81,7 @@ def run(algo: str, model: Path, teacher: Path, steps: int, interval: int, tmp: P
         cmd += ["@", str(overlay)]
         usage = TeacherUsage(str(out / "configs" / "rl" / "teacher.toml"))
     cmd += ["--model.name", str(model), "--max-steps", str(steps), "--output-dir", str(out)]
+    cmd += ["--inference.server.port", str(free_port())]  # not 8000: another run's server may hold it
     cmd += ["--orchestrator.eval.interval", str(interval)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

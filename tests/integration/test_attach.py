@@ -22,10 +22,10 @@ BIN = Path(sys.executable).parent
 REVERSE_TEXT = '[[orchestrator.env]]\nid = "reverse-text"\n'
 
 
-def attach_config(path: Path, srv, out: Path, steps: int, model: Path | None = None) -> Path:
+def attach_config(path: Path, srv, out: Path, steps: int, model: Path | None = None, envs: str = REVERSE_TEXT) -> Path:
     """The tests' rl config, with `[inference]` naming the shared server (its port, context length) to attach to."""
     inference = f"[inference.server]\nport = {srv.port}\n[inference.model]\nmax_model_len = 512\n"
-    return write_rl_config(path, model or srv.base, out, 0, steps, top=inference, bottom=REVERSE_TEXT)
+    return write_rl_config(path, model or srv.base, out, 0, steps, top=inference, bottom=envs)
 
 
 def alive(pid: int) -> bool:
@@ -115,6 +115,12 @@ def test_eval_and_rl_attach_reset_train_and_leave_the_server_running(tied_server
     assert refused.wait(120) == 2
     message = (tmp_path / "refused.out").read_text()
     assert f"the server serves '{srv.base}', this run's model is '{other}'" in message, message
+    # opsd prefills on the policy's server, which vLLM crashes when it serves LoRA, as this one does: refused too.
+    opsd = REVERSE_TEXT + 'algo = { type = "opsd", demo_key = "answer" }\n'
+    refused = rl("@", str(attach_config(tmp_path / "rl4.toml", srv, out / "y", 2, envs=opsd)), "--attach",
+                 log=tmp_path / "opsd.out")  # fmt: skip
+    assert refused.wait(120) == 2
+    assert "run opsd, whose scoring prefills on the policy's server" in (tmp_path / "opsd.out").read_text()
     assert httpx.get(f"{srv.url}/weights", headers=srv.headers, timeout=30).json()["version"] == "step_1"
 
     # Ctrl-C: rl, its orchestrator and trainer go; the server stays, and the next run may attach at once.

@@ -3,9 +3,11 @@
 Every run attaches to the session's inference server (`rl --attach`, as a user's debug loop does) to save vLLM's
 start; `test_attach.py` has a run that starts its own."""
 
+import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -321,17 +323,22 @@ def test_rl_trains_a_proposer_solver_env_under_hierarchical_grpo(tied_server, tm
 
 
 @pytest.mark.slow
-def test_rl_distils_from_a_teacher_it_serves_under_opd(tied_server, tmp_path):
-    """The policy (the session's server, base weights) samples reverse-text; `[teacher]` makes `rl` serve a very
-    different model with the same tokenizer (the base perturbed 8x) as the frozen teacher, a second server holding the
-    run's token, stopped with the run. 3 steps at k = 0. At step 1 the trainer's policy is the one that sampled, so
-    its reverse KL to the teacher over the sampled tokens (`ref_kl_stream`: log pi from the trainer's forward, minus
-    the shipped teacher log-probs) equals the orchestrator's (`teacher_kl/sampler`: vLLM's sampling log-probs minus
-    the same) up to their mismatch (mismatch_kl ~1e-12 in fp32): within 1e-3. No rl token: ref_kl trains alone."""
+def test_rl_distils_from_a_teacher_it_serves_under_opd_and_sft(tied_server, tmp_path):
+    """`[teacher]` makes `rl` serve a very different model with the same tokenizer (the base perturbed 8x) as the
+    frozen teacher of two environments, a second server holding the run's token, stopped with the run. 3 steps at
+    k = 0, two reverse-text environments:
+    - `reverse-text` (opd): the policy (the session's server, base weights) samples. At step 1 the trainer's policy is
+      the one that sampled, so its reverse KL to the teacher over the sampled tokens (`ref_kl_stream`: log pi from
+      the trainer's forward, minus the shipped teacher log-probs) equals the orchestrator's (`teacher_kl/sampler`:
+      vLLM's sampling log-probs minus the same) up to their mismatch (~1e-12 in fp32): within 1e-3.
+    - `imitate` (sft): the teacher samples (through the token route, with the run's token), the policy trains ce on
+      its tokens. Its groups were never the policy's: the policy server served none of them.
+    No rl token: ref_kl and ce train alone."""
     srv = tied_server
     out = srv.root / "rl" / "opd"
     out.mkdir(parents=True)
     envs = REVERSE_TEXT + 'algo = { type = "opd" }\n'
+    envs += '[[orchestrator.env]]\nid = "reverse-text"\nname = "imitate"\nalgo = { type = "sft" }\n'
     extra = f'[teacher]\nmodel = "{srv.step_1}"\n'
     config = write_config(tmp_path / "rl.toml", srv, out, k=0, steps=3, extra=extra, envs=envs)
     proc = start_rl(config, log=tmp_path / "rl.log")
@@ -342,10 +349,18 @@ def test_rl_distils_from_a_teacher_it_serves_under_opd(tied_server, tmp_path):
     assert "reverse-text: teacher" in (out / "logs" / "orchestrator.log").read_text()  # its tokenizer was checked
     trained, orch = trainer_metrics(out), orchestrator_metrics(out)
     assert [m["step"] for m in trained] == [1, 2, 3] and [m["step"] for m in orch] == [1, 2, 3]
-    assert all(m["time/teacher"] > 0 for m in orch) and all(m["ref_kl_tokens"] > 0 for m in trained)
-    assert trained[0]["mismatch_kl"] < 1e-6
-    assert trained[0]["ref_kl_stream"] == pytest.approx(orch[0]["teacher_kl/sampler"], abs=1e-3)
-    assert orch[0]["teacher_kl/sampler"] > 0.1  # 8x perturbed weights: far from the policy
+    # Which environment's groups fill a step varies (the two servers race); the seeded draws mix them (imitate,
+    # imitate, reverse-text, reverse-text, imitate, ...), so over the 3 steps both train. A step without a stream
+    # logs none of its metrics.
+    distilled = [(t, o) for t, o in zip(trained, orch, strict=True) if "ref_kl_stream" in t]
+    imitated = [t for t in trained if "ce_loss" in t]
+    assert distilled and imitated and all(t.get("ref_kl_tokens", 0) + t.get("ce_tokens", 0) > 0 for t in trained)
+    assert sum(m.get("groups_started/teacher", 0) for m in orch) > 0  # the teacher sampled them, the policy did not
+    assert all(0 < t["ce_loss"] < 50 for t in imitated)  # -log pi of the teacher's tokens, per token
+    for t, o in distilled:  # at k = 0 the trainer's policy is the one that sampled, at every step
+        assert t["mismatch_kl"] < 1e-6 and o["time/teacher"] > 0
+        assert t["ref_kl_stream"] == pytest.approx(o["teacher_kl/sampler"], abs=1e-3)
+        assert o["teacher_kl/sampler"] > 0.1  # 8x perturbed weights: far from the policy
 
 
 @pytest.mark.slow
@@ -354,13 +369,14 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     the trainer trains 5 and 6 (nothing twice, nothing skipped) and the server serves pi_4 before new rollouts.
     Weights go by the in-memory broadcast; the resumed run reads pi_4 from the checkpoint step's directory (the
     trainer writes checkpoint steps to disk too). Each environment has its own algorithm: nim self-play under rae,
-    whose baselines the resumed run restores from the checkpoint, reverse-text under the run's max_rl."""
+    whose baselines the resumed run restores from the checkpoint, reverse-text under the run's max_rl, its 6 tasks
+    drawn by the default difficulty pools, which the resumed run restores too."""
     srv = tied_server
     out = srv.root / "rl" / "resume"
     out.mkdir(parents=True)
     envs = NIM_MIX.replace(
         "args = { max_sticks = 5 }", 'args = { max_sticks = 5 }\nalgo = { type = "rae", decay = 0.9 }'
-    )
+    ).replace('"reverse-text"\nratio = 1\n', f'"reverse-text"\nratio = 1\n{DIFFICULTY_POOLS_OF_6}')
     extra = '[ckpt]\ninterval = 2\n[orchestrator.algo]\ntype = "max_rl"\n' + broadcast(srv)
     config = write_config(tmp_path / "rl.toml", srv, out, k=1, steps=6, extra=extra, envs=envs)
     log1 = tmp_path / "run1.log"
@@ -398,6 +414,7 @@ def test_rl_resume_after_a_crash(tied_server, tmp_path):
     assert logged == pytest.approx(saved["values"], abs=0)
     restored = ", ".join(f"{seat} {b!r}" for seat, b in sorted(saved["values"].items()))
     assert f"RAE baselines of nim restored: {restored}" in (out / "logs" / "orchestrator.log").read_text()
+    check_pools_restored(out, 4, step_4, first_run=orchestrator_metrics(out)[:4])
 
 
 @pytest.fixture(scope="module")
@@ -436,3 +453,43 @@ def test_bad_config_fails_before_anything_starts(tiny_model, tmp_path, args, nee
     assert needle in result.stderr, result.stderr
     assert not (out / "logs").exists()  # nothing was started, nothing written
     print(f"{args}: failed in {elapsed:.1f}s")
+
+
+def test_rl_refuses_a_server_port_another_process_holds(tiny_model, tmp_path):
+    """A server already on the port (another run's) would answer rl's health check before rl's own server fails to
+    bind, and the run would talk to it: rl refuses first, naming the port, and starts nothing."""
+    out = tmp_path / "out"
+    config = tmp_path / "rl.toml"
+    config.write_text(f'output_dir = "{out}"\nmax_steps = 3\n[model]\nname = "{tiny_model}"\n')
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run(
+            [RL, "@", str(config), "--inference.server.port", str(port)], capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode == 2 and f"[inference.server] port {port} on 127.0.0.1 is in use" in result.stderr
+    assert not out.exists()
+
+
+DIFFICULTY_POOLS_OF_6 = 'sampler = { type = "difficulty_pool" }\nargs = { num_tasks = 6 }\n'
+
+
+def check_pools_restored(out: Path, step: int, logged: dict, first_run: list[dict]) -> None:
+    """reverse-text's difficulty pools in checkpoint `step`: the pool sizes the first run logged at that step (`logged`)
+    are the checkpoint's, and the resumed run restored exactly that state: its line names the sizes and the SHA-256 of
+    the saved state as JSON with sorted keys (every task's latest mean and each pool's member order; the line's format:
+    test_curriculum.py). A reverse-text group trained in `first_run` (steps 1..step) has taken its task out of
+    `unseen`: no retirement is configured, and a task never goes back."""
+    buffer = json.loads((out / "checkpoints" / f"step_{step}" / "orchestrator" / "buffer.json").read_text())
+    pools = buffer["envs"]["reverse-text"]["difficulty_pools"]
+    sizes = {name: len(members) for name, members in pools["pools"].items()}
+    assert list(sizes) == ["unseen", "hard", "normal", "easy"] and sum(sizes.values()) == 6
+    prefix = "curriculum/reverse-text/pool/"
+    assert {k.removeprefix(prefix): v for k, v in logged.items() if k.startswith(prefix)} == sizes
+    if any("rollouts/reverse-text" in m for m in first_run):
+        assert sizes["unseen"] < 6
+    digest = hashlib.sha256(json.dumps(pools, sort_keys=True).encode()).hexdigest()[:12]
+    line = ", ".join(f"{name} {n}" for name, n in sizes.items())
+    orch_log = (out / "logs" / "orchestrator.log").read_text()
+    assert f"difficulty pools of reverse-text restored: {line} (state {digest})" in orch_log

@@ -1,9 +1,11 @@
 """The difficulty-pool sampler: pool assignment, sampling frequencies by weight, exact resumption; its config."""
 
+import hashlib
 import json
 import random
 
 import pytest
+from loguru import logger
 from pydantic import ValidationError
 
 from prime_rl.config.curriculum import DifficultyPoolSampler, StandardSampler
@@ -134,6 +136,28 @@ def test_a_restored_buffer_draws_the_same_next_tasks():
 
     assert continue_run(restored) == continue_run(original)
     assert restored.state_dict() == original.state_dict()
+
+
+def test_a_restored_buffer_logs_its_pool_sizes_and_the_digest_of_the_saved_state():
+    """The line `test_rl_resume_after_a_crash` compares with buffer.json: sizes, then the first 12 hex digits of the
+    SHA-256 of the pools' state as JSON with sorted keys (written out by hand here). A checkpoint without pools logs
+    no such line (a warning says its tasks start unseen)."""
+    original = Buffer(BufferConfig(sampler=sampler()), {"e": 4})
+    original.add_group("e", 0, [0.0])  # hard; swap-and-pop leaves unseen [3, 1, 2]
+    original.add_group("e", 1, [0.25, 0.75])  # mean 0.5: medium; unseen [3, 2]
+    canonical = (
+        '{"pools": {"easy": [], "hard": [0], "medium": [1], "unseen": [3, 2]}, "rewards": [0.0, 0.5, null, null]}'
+    )
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        Buffer(BufferConfig(sampler=sampler()), {"e": 4}).load_state_dict(json.loads(json.dumps(original.state_dict())))
+        Buffer(BufferConfig(sampler=sampler()), {"e": 4}).load_state_dict(Buffer(BufferConfig(), {"e": 4}).state_dict())
+    finally:
+        logger.remove(sink)
+    assert lines[0] == f"difficulty pools of e restored: unseen 2, hard 1, medium 1, easy 0 (state {digest})\n"
+    assert lines[1:] == ["checkpoint has no difficulty pools of 'e': its active tasks start unseen\n"]
 
 
 def test_resuming_with_other_thresholds_re_places_tasks_by_their_latest_reward():

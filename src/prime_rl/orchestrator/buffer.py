@@ -235,6 +235,8 @@ class Buffer:
                     empty = dict.fromkeys(self._pools[env].sizes(), [])
                     saved = {"rewards": [None] * size, "pools": {**empty, UNSEEN: active}}
                 self._pools[env].load_state_dict(saved, active)
+                if "difficulty_pools" in env_state:
+                    logger.info(f"difficulty pools of {env} restored: {self._pools[env].summary()}")
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
         self._counters = {name: int(state["counters"][name]) for name in _COUNTERS}

@@ -12,6 +12,8 @@ module only keeps the pools of one environment's active tasks. Config: config/cu
 "Curricula", has a worked example.
 """
 
+import hashlib
+import json
 import random
 from typing import Any
 
@@ -43,6 +45,12 @@ def pick(weights: list[float], u: float) -> int:
             break
     assert chosen >= 0, "pick needs a positive weight"
     return chosen
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """First 12 hex digits of the SHA-256 of a pools `state_dict` as JSON with sorted keys: names the whole state
+    (every latest mean, every pool's member order) in a log line, which a reader of the checkpoint can recompute."""
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:12]
 
 
 class DifficultyPools:
@@ -95,6 +103,12 @@ class DifficultyPools:
     def sizes(self) -> dict[str, int]:
         """Active tasks per pool, `unseen` first."""
         return {name: len(self._members[name]) for name in self._names}
+
+    def summary(self) -> str:
+        """Active tasks per pool and the state's digest, for the line a resumed run logs: `unseen 3, hard 1, ... (state
+        <state_digest>)`."""
+        sizes = ", ".join(f"{name} {n}" for name, n in self.sizes().items())
+        return f"{sizes} (state {state_digest(self.state_dict())})"
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable: the latest rewards (null: unseen) and each pool's members in their current order."""

@@ -14,7 +14,7 @@ from typing import IO
 
 from prime_rl.config.loader import load_config
 from prime_rl.inference.attach import AttachError, ServerCard, claim, reset
-from prime_rl.rl.config import RLConfig
+from prime_rl.rl.config import OPSD_ON_LORA, RLConfig, opsd_envs
 from prime_rl.rl.preflight import fail
 from prime_rl.utils.secret import RunKeys
 
@@ -48,6 +48,10 @@ def attach_server(config: RLConfig, argv: list[str] | None) -> tuple[RLConfig, R
         card, lock = claim(inference.server, inference.model, rank, [config.output_dir])
     except AttachError as e:
         fail(f"--attach: {e}")
+    if card.max_lora_rank is not None and opsd_envs(config.orchestrator):
+        lock.close()
+        fail(f"--attach: {opsd_envs(config.orchestrator)} run opsd, whose scoring {OPSD_ON_LORA}: attach to a server "
+             "started without --lora")  # fmt: skip
     config, _ = load_config(RLConfig, "rl", [*(sys.argv[1:] if argv is None else argv), *broadcast_flags(config, card)])
     try:
         before = reset(card)

@@ -169,6 +169,16 @@ class TeacherServerConfig(BaseConfig):
     """Its GPUs (CUDA_VISIBLE_DEVICES); ignored on CPU, where it shares the CPUs with the rest."""
 
 
+OPSD_ON_LORA = (
+    "prefills on the policy's server, and vLLM's prompt log-probs crash a server serving LoRA adapters (vllm#16668)"
+)
+
+
+def opsd_envs(orch) -> list[str]:
+    """The environments of `orch` that run opsd (their scoring needs a policy server without LoRA)."""
+    return [e.display_name for e in orch.env if orch.env_algo(e.display_name).type == "opsd"]
+
+
 class RLConfig(EntrypointConfig):
     # A shared key given on the command line overrides the sections' values from files (`rl @ cluster.toml
     # --model.name ./small-model`); set in a file, a section's different value is refused as a contradiction.
@@ -313,6 +323,8 @@ class RLConfig(EntrypointConfig):
         if inf is not None and inf.max_num_seqs is None and "orchestrator" in deploy.roles:
             inf.max_num_seqs = self._rollouts_in_flight()
         self._teacher()
+        if inf is not None and inf.lora is not None and opsd_envs(orch):
+            raise ValueError(f"{opsd_envs(orch)} run opsd, whose scoring {OPSD_ON_LORA}; unset [inference.lora]")
         if self.bench is not None:
             self._bench()
         if self.runs and trainer.model.lora is None:
