@@ -1,22 +1,17 @@
 """benchmarks/bench_vs_trl.py's pure parts: the numbers per run, the table, the step lines and the process-tree
 sampler (on a real process tree). TRL is an optional group CI does not install: the module must import without it."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from script_module import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks/bench_vs_trl.py")
-bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench  # dataclasses look their module up
-spec.loader.exec_module(bench)
+bench = load_script("benchmarks/bench_vs_trl.py")
 
 
 def synthetic_samples(cpu_rate: float, busy_rate: float, until: float = 30.0) -> list:
