@@ -38,6 +38,9 @@ def sample_from(srv, token_ids: list[int], max_tokens: int = 8) -> tuple[list[in
 
 def test_the_scorer_gives_the_hinted_policys_sampling_logprobs_back(tied_server, tmp_path, monkeypatch):
     srv = tied_server
+    # The base weights, whatever an earlier test left served: the hint's effect below was measured on them.
+    reset = httpx.post(f"{srv.url}/reload_weights", json={}, headers=srv.headers, timeout=120)
+    assert reset.status_code == 200, reset.text
     monkeypatch.setenv(KEY_VAR, API_KEY)
     tokenizer = srv.tokenizer
     task = {"idx": 0, "prompt": "Reverse this text: abcdef", "answer": "fedcba"}

@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
         names.add(config.inference.model.name)
     for name in names:
         check_model_exists(name)
-    check_server_ports(config)
     tag = host_tag(config)
     orchs = orchestrators(config) if "orchestrator" in roles else {}
     writers = ["orchestrator"] if "orchestrator" in roles and not config.runs else []
     writers += ["trainer"] if "trainer" in roles and config.deployment.trainer_node_rank == 0 else []
-    lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)
+    lock = claim_output_dir(config.output_dir, f"rl{tag}", writers)  # first: "another rl writes there" says more
+    check_server_ports(config)
     # vLLM takes longest to start: it imports while the checks below run (a failed check stops it).
     inference = inference_process(config, config.output_dir / "logs", tag, keys)
     if inference is not None or attached is not None:
