@@ -121,6 +121,28 @@ def test_sampled_token_ranks_are_vllms_without_compiling():
         sampler.batched_count_greater_than = original
 
 
+def test_model_classes_are_inspected_in_this_process_and_cached_as_vllm_does(tmp_path, monkeypatch):
+    """Without cached facts about a model class, vLLM's registry computes them through `_run_in_subprocess` (a fresh
+    interpreter) and caches them under VLLM_CACHE_ROOT/modelinfos; after the patch the same call runs here (the
+    function sees this process's pid) and the facts are those of the class, cached as before."""
+    import vllm.envs as envs
+    import vllm.model_executor.models.registry as registry
+
+    from prime_rl.inference.cpu_engine import inspect_models_in_process
+
+    monkeypatch.setattr(envs, "VLLM_CACHE_ROOT", str(tmp_path))
+    original = registry._run_in_subprocess
+    try:
+        inspect_models_in_process()
+        assert registry._run_in_subprocess(os.getpid) == os.getpid()
+        lazy = registry._LazyRegisteredModel("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM")
+        info = lazy.inspect_model_cls()
+    finally:
+        registry._run_in_subprocess = original
+    assert info == registry._ModelInfo.from_model_cls(lazy.load_model_cls())
+    assert info.architecture == "Qwen3ForCausalLM" and list((tmp_path / "modelinfos").iterdir())
+
+
 def test_the_engine_fork_freezes_the_api_servers_objects():
     """The engine is forked with the API server's objects frozen (`gc.freeze`), so the engine's collections leave the
     pages they live on shared instead of copying them."""

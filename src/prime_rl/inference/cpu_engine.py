@@ -102,6 +102,21 @@ def rank_tokens_eagerly() -> None:
     sampler.batched_count_greater_than = count_at_least
 
 
+def inspect_models_in_process() -> None:
+    """vLLM inspects a model class it has no cached facts about (`~/.cache/vllm/modelinfos`) in a fresh interpreter,
+    so that importing the model's module cannot initialise CUDA in the server. That interpreter imports vLLM and
+    torch again: ~8 s of a server's first start on the 2-core machine, once per architecture and vLLM install (a new
+    machine, a new venv, CI). A CPU build has no CUDA to protect, and the server imports the model's module moments
+    later anyway: inspect it here. The facts are computed and cached exactly as vLLM does."""
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = _run_here
+
+
+def _run_here(fn):
+    return fn()
+
+
 def count_at_least(x, values):
     """Per row of `x`, how many entries are >= that row's value (vLLM's `batched_count_greater_than`, uncompiled)."""
     return (x >= values).sum(-1)

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     cli_env_setup()
     args = build_vllm_args(config, extra)
     if cpu:
+        cpu_engine.inspect_models_in_process()
         kv = _size_kv_cache(config, args)
         blocks = cpu_engine.share_prompt_blocks(args)
         # Several workers (tp/pp/dp > 1) keep vLLM-CPU's own processes: each needs its own OpenMP binding.
