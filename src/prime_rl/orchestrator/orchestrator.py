@@ -46,7 +46,7 @@ from prime_rl.orchestrator.evals import OnlineEvals, load_eval_tasks
 from prime_rl.orchestrator.scheduler import Group, Scheduler, StepStats, seat_rewards
 from prime_rl.orchestrator.self_distill import SelfDistiller
 from prime_rl.orchestrator.servers import InferenceServers
-from prime_rl.orchestrator.teacher import TeacherClient
+from prime_rl.orchestrator.teacher import TeacherClient, samples_by_key
 from prime_rl.orchestrator.temperature import TemperatureController
 from prime_rl.orchestrator.worker import rollout_workers
 from prime_rl.utils.bench import Column, format_bench_table
@@ -164,14 +164,9 @@ async def score_with_teachers(
 ) -> dict[tuple[int, int, int], list[float]]:
     """Each sample of a group of an `opd` environment scored by its environment's teacher (all at once, each teacher
     bounded by its `max_concurrency`): log-probs by (group, rollout, sample) index, as `batch_samples` takes them."""
-    keys, calls = [], []
-    for g, group in enumerate(groups):
-        teacher = teachers.get(group.env)
-        for r, rollout in enumerate(group.rollouts if teacher is not None else []):
-            for i, sample in enumerate(rollout.samples):
-                keys.append((g, r, i))
-                calls.append(teacher.logprobs(sample.token_ids))
-    return dict(zip(keys, await asyncio.gather(*calls), strict=True))
+    found = samples_by_key(groups, teachers)
+    scored = await asyncio.gather(*(teachers[group.env].logprobs(sample.token_ids) for _, group, sample in found))
+    return {key: logprobs for (key, _, _), logprobs in zip(found, scored, strict=True)}
 
 
 def teacher_sampler_kl(samples: list[TrainingSample]) -> float | None:

@@ -22,7 +22,7 @@ import json
 
 from prime_rl.config.algorithm import FrozenModelConfig, OpsdAlgo
 from prime_rl.models.tokenizers import load_tokenizer
-from prime_rl.orchestrator.teacher import TeacherClient
+from prime_rl.orchestrator.teacher import TeacherClient, samples_by_key
 
 CHECKED_TASKS = 8
 """Tasks of each opsd environment whose demonstration is looked up when the orchestrator starts (a task without one
@@ -138,17 +138,14 @@ class SelfDistiller:
         """Each sample of each opsd group scored by the live policy under its task's hint, by (group, rollout, sample)
         index as `batch_samples` takes `refs`, spread over the healthy policy servers."""
         urls = servers.healthy() or list(self.clients)
-        keys, calls = [], []
-        for g, group in enumerate(groups):
-            if group.env not in self.algos:
-                continue
-            hint = self.hint(group.env, group.task)
-            for r, rollout in enumerate(group.rollouts):
-                for i, sample in enumerate(rollout.samples):
-                    client = self.clients[urls[len(calls) % len(urls)]]
-                    keys.append((g, r, i))
-                    calls.append(self._score(client, hint, sample.token_ids))
-        return dict(zip(keys, await asyncio.gather(*calls), strict=True))
+        found = samples_by_key(groups, self.algos)
+        hints = {id(group): self.hint(group.env, group.task) for _, group, _ in found}  # one per group
+        calls = (
+            self._score(self.clients[urls[n % len(urls)]], hints[id(group)], sample.token_ids)
+            for n, (_, group, sample) in enumerate(found)
+        )
+        scored = await asyncio.gather(*calls)
+        return {key: logprobs for (key, _, _), logprobs in zip(found, scored, strict=True)}
 
     async def _score(self, client: TeacherClient, hint: list[int], sample: list[int]) -> list[float]:
         prompt, positions = splice(hint, sample, self.bos)

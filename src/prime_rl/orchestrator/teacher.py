@@ -24,6 +24,18 @@ PROBE = "Reverse the text: The quick brown fox jumps over 13 lazy dogs!\n<|im_st
 special token of the chat template)."""
 
 
+def samples_by_key(groups: list, envs) -> list[tuple[tuple[int, int, int], object, object]]:
+    """`((group, rollout, sample) index, group, sample)` of every sample of the groups of `envs`, in batch order: the
+    keys `batch_samples` takes a reference's log-probs by (`refs`)."""
+    return [
+        ((g, r, i), group, sample)
+        for g, group in enumerate(groups)
+        if group.env in envs
+        for r, rollout in enumerate(group.rollouts)
+        for i, sample in enumerate(rollout.samples)
+    ]
+
+
 class TeacherError(RuntimeError):
     """The teacher refused, failed or does not fit the policy (its tokenizer): retrying cannot help."""
 
